@@ -1,0 +1,206 @@
+"""`python -m replica tiny-model --out DIR`: a tiny random Llama with a real tokenizer, offline.
+
+Tests and benchmarks need a model that real vLLM (CPU) serves in seconds and whose
+tokenizer behaves like a production one where it matters for prefix caching: byte-level
+BPE, a BOS token the post-processor adds to plain text (so add_special_tokens changes
+the ids), chat special tokens, and a chat template with system/user/assistant/tool
+messages, tool definitions and a generation prompt. The weights are random, so the
+model's answers are noise; only its shapes and its tokenizer matter.
+
+Shapes follow vLLM CPU's constraints: head size 64 (hidden 128 over 2 heads), and a
+context of 8192 so 128k-token benchmarks can still tokenize (not serve) long prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+BOS = "<s>"
+EOS = "</s>"
+PAD = "<pad>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+TOOL_CALL = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+TOOL_RESPONSE = "<tool_response>"
+TOOL_RESPONSE_END = "</tool_response>"
+SPECIAL_TOKENS = (
+    PAD, BOS, EOS, IM_START, IM_END, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, TOOL_RESPONSE_END,
+)
+
+VOCAB_SIZE = 4096
+HIDDEN_SIZE = 128
+NUM_HEADS = 2
+NUM_LAYERS = 2
+INTERMEDIATE_SIZE = 256
+MAX_POSITIONS = 8192
+
+# ChatML-style. Every role marker is a special token, so the rendered text splits at
+# special-token boundaries between messages (router/tokenize.py's prefix cache relies
+# on that). Tools are listed in the system section; an assistant's tool calls are
+# rendered from their parsed `arguments` mapping, as vLLM hands them to templates.
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if messages and messages[0].role == 'system' -%}"
+    "{%- set system_message = messages[0].content -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set system_message = none -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- if system_message is not none or tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if system_message is not none -%}{{- system_message -}}{%- endif -%}"
+    "{%- if tools -%}"
+    "{{- '\\n\\n# Tools\\nYou may call these functions:\\n' -}}"
+    "{%- for tool in tools -%}"
+    "{{- (tool.function if tool.function is defined else tool) | tojson -}}{{- '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if message.role == 'tool' -%}"
+    "{{- '<|im_start|>tool\\n<tool_response>' + (message.content or '') + '</tool_response>' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') -}}"
+    "{%- endif -%}"
+    "{%- if message.role == 'assistant' and message.tool_calls -%}"
+    "{%- for call in message.tool_calls -%}"
+    "{{- '<tool_call>' -}}"
+    "{{- {'name': call.function.name, 'arguments': call.function.arguments} | tojson -}}"
+    "{{- '</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- if not (loop.last and continue_final_message) -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+_WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at "
+    "which but have an they you were her she there been one all we their has would when if "
+    "so no will more about can said what out up them some time could into two then do first "
+    "any my now such like other how its our over only these may after new most made also "
+    "cache prefix block token request replica gateway route router model server latency "
+    "prompt system user assistant tool call function weather city temperature date today "
+    "error retry timeout queue memory throughput batch stream event index hash chain score "
+    "policy tenant salt session history turn answer question summary document code python "
+    "json value key list string number true false null return import class def self data"
+).split()
+_CODE_LINES = (
+    'def handler(request):\n    return {"status": "ok", "items": [1, 2, 3]}\n',
+    'import json\nprint(json.dumps({"city": "Paris", "unit": "celsius"}))\n',
+    "for i in range(10):\n    total += i * 2  # accumulate\n",
+    '{"name": "get_weather", "arguments": {"city": "Berlin", "days": 3}}\n',
+    "SELECT id, name FROM users WHERE created_at > '2024-01-01';\n",
+    "<html><body><p>Hello, world!</p></body></html>\n",
+)
+
+
+def training_corpus(seed: int = 0) -> list[str]:
+    """A small, deterministic English/code/JSON corpus for the BPE trainer."""
+    rng = random.Random(seed)
+    lines: list[str] = []
+    for _ in range(4000):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
+        sentence = " ".join(words).capitalize() + rng.choice([".", "?", "!", ",", ":"])
+        if rng.random() < 0.3:
+            sentence += f" {rng.randint(0, 99999)} {rng.random():.3f}"
+        lines.append(sentence)
+    lines.extend(_CODE_LINES * 50)
+    return lines
+
+
+def build_tokenizer(seed: int = 0):  # -> tokenizers.Tokenizer (imported lazily)
+    """A byte-level BPE tokenizer with chat special tokens and a BOS post-processor."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.trainers import BpeTrainer
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        # Specials take the lowest ids; normalized=False and no strip so the text
+        # between them is tokenized exactly as if it stood alone.
+        special_tokens=[
+            AddedToken(t, special=True, normalized=False, lstrip=False, rstrip=False)
+            for t in SPECIAL_TOKENS
+        ],
+    )
+    tokenizer.train_from_iterator(training_corpus(seed), trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return tokenizer
+
+
+def _tokenizer_config() -> dict[str, object]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": IM_END,
+        "pad_token": PAD,
+        "unk_token": None,
+        "model_max_length": MAX_POSITIONS,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+        "additional_special_tokens": [
+            IM_START, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, TOOL_RESPONSE_END, EOS,
+        ],
+    }
+
+
+def build_tiny_model(out: Path, *, seed: int = 0) -> Path:
+    """Write a tiny random LlamaForCausalLM and its tokenizer into `out`; return `out`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(seed)
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2))
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": BOS, "eos_token": IM_END, "pad_token": PAD}, indent=2)
+    )
+
+    config = LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=INTERMEDIATE_SIZE,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_HEADS,
+        head_dim=HIDDEN_SIZE // NUM_HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=tokenizer.token_to_id(BOS),
+        eos_token_id=[tokenizer.token_to_id(IM_END), tokenizer.token_to_id(EOS)],
+        pad_token_id=tokenizer.token_to_id(PAD),
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, required=True, help="directory to write the model into")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and corpus")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = build_tiny_model(args.out, seed=args.seed)
+    print(out)
+    return 0
