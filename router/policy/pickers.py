@@ -1,0 +1,82 @@
+"""Pickers: turn combined scores into a ranking, chosen replica first.
+
+The whole ranking matters: the proxy fails over down it. After the chosen replica, the
+rest follow by score, ties in random order (so failover load spreads too).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Protocol
+
+# Scores closer than this are ties: float noise must not decide between equal replicas.
+_TIE_EPSILON = 1e-12
+
+
+class Picker(Protocol):
+    """Orders replica ids by preference, chosen first."""
+
+    def rank(self, scores: Mapping[str, float], rng: random.Random) -> tuple[str, ...]: ...
+
+
+def _by_score(ids: list[str], scores: Mapping[str, float], rng: random.Random) -> list[str]:
+    ids = sorted(ids)  # a deterministic start, so a seeded rng gives a reproducible shuffle
+    rng.shuffle(ids)
+    return sorted(ids, key=lambda rid: -scores[rid])
+
+
+class BestPicker:
+    """The highest score; equal best scores are broken at random."""
+
+    def rank(self, scores: Mapping[str, float], rng: random.Random) -> tuple[str, ...]:
+        best = max(scores.values())
+        tied = sorted(rid for rid, s in scores.items() if s >= best - _TIE_EPSILON)
+        chosen = rng.choice(tied)
+        rest = _by_score([rid for rid in scores if rid != chosen], scores, rng)
+        return (chosen, *rest)
+
+
+class RandomPicker:
+    """Uniformly at random, ignoring scores."""
+
+    def rank(self, scores: Mapping[str, float], rng: random.Random) -> tuple[str, ...]:
+        ids = sorted(scores)
+        rng.shuffle(ids)
+        return tuple(ids)
+
+
+class RoundRobinPicker:
+    """Each replica in turn, by id. Holds a counter: one per policy instance."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def rank(self, scores: Mapping[str, float], rng: random.Random) -> tuple[str, ...]:
+        ids = sorted(scores)
+        start = self._next % len(ids)
+        self._next += 1
+        return tuple(ids[start:] + ids[:start])
+
+
+class ToleranceSampler:
+    """Sample, weighted by score, among replicas within `tolerance` of the best.
+
+    With a ratio score (best cost / cost), score >= best / (1 + tolerance) means "cost
+    within tolerance of the best". Always taking the single best would herd: gateways
+    deciding in the same instant from the same snapshot all pick the same replica, and it
+    overloads before any scrape shows it. Sampling among near-equals spreads them at a
+    bounded price (at most `tolerance` worse predicted cost).
+    """
+
+    def __init__(self, tolerance: float) -> None:
+        self.tolerance = tolerance
+
+    def rank(self, scores: Mapping[str, float], rng: random.Random) -> tuple[str, ...]:
+        best = max(scores.values())
+        line = best / (1.0 + self.tolerance) - _TIE_EPSILON
+        near = sorted(rid for rid, s in scores.items() if s >= line)
+        weights = [max(scores[rid], _TIE_EPSILON) for rid in near]
+        chosen = rng.choices(near, weights=weights, k=1)[0]
+        rest = _by_score([rid for rid in scores if rid != chosen], scores, rng)
+        return (chosen, *rest)

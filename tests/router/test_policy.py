@@ -1,0 +1,362 @@
+"""Routing policies: pipeline invariants and cache_aware's behaviour, with numbers."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.policy import (
+    POLICY_NAMES,
+    NoReplicasError,
+    Policy,
+    PolicyConfig,
+    PrefillProfile,
+    ReplicaState,
+    RoutingRequest,
+    build_policy,
+    cached_tokens,
+    estimate_ttft,
+)
+
+PROMPT = 2000  # tokens; at block size 16, 124 blocks are cacheable ((2000 - 1) // 16)
+FULL = 124
+
+
+def fleet(n: int = 4, **kw: object) -> dict[str, ReplicaState]:
+    return {f"r{i}": ReplicaState(f"r{i}", block_size=16, **kw) for i in range(n)}  # type: ignore[arg-type]
+
+
+def request(tokens: int = PROMPT, **kw: object) -> RoutingRequest:
+    return RoutingRequest("m", num_prompt_tokens=tokens, **kw)  # type: ignore[arg-type]
+
+
+def policy(name: str = "cache_aware", seed: int = 0, **kw: object) -> Policy:
+    return build_policy(PolicyConfig(name=name, **kw), random.Random(seed))  # type: ignore[arg-type]
+
+
+def route_hot_prefix(config: PolicyConfig, n: int, holder_capacity: int | None = None) -> list[str]:
+    """Send n identical requests, none finishing; each target caches the prefix."""
+    p = build_policy(config, random.Random(0))
+    states = fleet(4, capacity=holder_capacity)
+    states["r0"] = replace(states["r0"], matched_blocks=FULL)
+    chosen: list[str] = []
+    for _ in range(n):
+        rid = p.decide(request(), list(states.values())).replica_id
+        chosen.append(rid)
+        states[rid] = replace(states[rid], inflight=states[rid].inflight + 1, matched_blocks=FULL)
+    return chosen
+
+
+# ------------------------------------------------------------------------ the cost model
+
+
+def test_ttft_estimate_numbers() -> None:
+    config = PolicyConfig()  # prefill 0.012 + 2.3e-5/token; 0.005 s per outstanding request
+    cold = estimate_ttft(request(), ReplicaState("a", block_size=16), 0.0, config)
+    assert cold.cached_tokens == 0 and cold.prefill_s == pytest.approx(0.012 + 2.3e-5 * 2000)
+    warm = estimate_ttft(
+        request(), ReplicaState("a", block_size=16, matched_blocks=500, inflight=3), 3.0, config
+    )
+    # Matches beyond (2000 - 1) // 16 = 124 blocks cannot be used: the last token recomputes.
+    assert warm.cached_tokens == 1984
+    assert warm.prefill_s == pytest.approx(0.012 + 2.3e-5 * 16)
+    assert warm.queue_s == pytest.approx(0.015)
+    assert warm.hot_s == 0.0
+
+
+def test_load_is_the_larger_of_own_count_and_scrape() -> None:
+    assert ReplicaState("a", inflight=5, running=1, waiting=1).load == 5
+    assert ReplicaState("a", inflight=1, running=4, waiting=3).load == 7
+
+
+def test_saturation_kv_and_hot_terms() -> None:
+    config = PolicyConfig(
+        saturation_load=4,
+        saturation_cost_s=0.25,
+        kv_threshold=0.8,
+        kv_cost_s=0.5,
+        hot_ratio=2.0,
+        hot_slack=2.0,
+        hot_cost_s=0.05,
+    )
+    r = ReplicaState("a", inflight=10, kv_usage=0.9)
+    e = estimate_ttft(request(0), r, fleet_mean_load=2.0, config=config)
+    # 0.005*10 + 0.25*(10-4) + 0.5*(0.1/0.2); hot line 2*2+2 = 6 -> 0.05*4.
+    assert e.queue_s == pytest.approx(0.05 + 1.5 + 0.25)
+    assert e.hot_s == pytest.approx(0.2)
+    own_capacity = estimate_ttft(request(0), replace(r, capacity=20, kv_usage=0.0), 2.0, config)
+    assert own_capacity.queue_s == pytest.approx(0.05)
+
+
+def test_context_term_of_the_prefill_profile() -> None:
+    profile = PrefillProfile(base_s=0.0, per_token_s=0.0, per_token_context_s=1e-6)
+    assert profile.seconds(100, 1000) == pytest.approx(0.1)
+    r = ReplicaState("a", block_size=16, matched_blocks=50, profile=profile)
+    e = estimate_ttft(request(1000), r, 0.0, PolicyConfig())
+    assert e.prefill_s == pytest.approx(1e-6 * (1000 - 800) * 1000)
+
+
+def test_unverified_replicas_count_no_cached_tokens() -> None:
+    assert cached_tokens(request(), ReplicaState("a", block_size=16, matched_blocks=50)) == 800
+    assert (
+        cached_tokens(
+            request(), ReplicaState("a", block_size=16, matched_blocks=50, verified=False)
+        )
+        == 0
+    )
+
+
+# --------------------------------------------------------------------------- cache_aware
+
+
+def test_cache_aware_follows_the_longest_match() -> None:
+    states = fleet()
+    states["r1"] = replace(states["r1"], matched_blocks=10)
+    states["r2"] = replace(states["r2"], matched_blocks=100)
+    for seed in range(20):
+        d = policy(seed=seed).decide(request(), list(states.values()))
+        assert d.replica_id == "r2"
+        assert d.predicted_cached_tokens == 1600
+        assert d.ranked[:2] == ("r2", "r1")
+        assert d.predicted_cached == {"r0": 0, "r1": 160, "r2": 1600, "r3": 0}
+
+
+def test_unverified_replica_matches_are_ignored() -> None:
+    states = fleet()
+    states["r1"] = replace(states["r1"], matched_blocks=60)
+    states["r2"] = replace(states["r2"], matched_blocks=120, verified=False)
+    for seed in range(20):
+        d = policy(seed=seed).decide(request(), list(states.values()))
+        assert d.replica_id == "r1" and d.predicted_cached["r2"] == 0
+
+
+def test_a_long_match_beats_a_little_load_but_not_a_saturated_replica() -> None:
+    states = fleet(2)
+    states["r0"] = replace(states["r0"], matched_blocks=FULL, inflight=4)
+    assert policy().decide(request(), list(states.values())).replica_id == "r0"
+    states["r0"] = replace(states["r0"], inflight=70)  # beyond saturation_load (64)
+    assert policy().decide(request(), list(states.values())).replica_id == "r1"
+
+
+def test_hot_prefix_spreads_once_its_holder_saturates() -> None:
+    # The holder has capacity 3: it takes exactly 4 (loads 0..3), then the prefix spreads.
+    chosen = route_hot_prefix(PolicyConfig(hot_cost_s=0.0, tolerance=0.0), 12, holder_capacity=3)
+    assert chosen[:4] == ["r0"] * 4
+    assert chosen[4] != "r0"
+    assert max(Counter(chosen).values()) <= 4
+
+
+def test_hot_guard_spreads_earlier_than_queue_cost_alone() -> None:
+    without = route_hot_prefix(PolicyConfig(hot_cost_s=0.0, tolerance=0.0), 40)
+    guarded = route_hot_prefix(PolicyConfig(tolerance=0.0), 40)
+    # Queue cost alone: 0.005 s per request must outweigh a 0.046 s prefill saving -> 10.
+    assert without[:10] == ["r0"] * 10 and without[10] != "r0"
+    # With the guard (line at 2 * mean + 2), r0 stops after 5: load 5 vs mean 1.25.
+    assert guarded[:5] == ["r0"] * 5 and guarded[5] != "r0"
+    assert max(Counter(guarded).values()) <= 12
+    assert len(set(guarded)) == 4
+
+
+def test_cold_requests_spread_over_idle_replicas() -> None:
+    p = policy(seed=7)
+    states = list(fleet().values())
+    counts = Counter(p.decide(request(), states).replica_id for _ in range(400))
+    assert set(counts) == {"r0", "r1", "r2", "r3"}
+    assert all(60 <= c <= 140 for c in counts.values()), counts
+
+
+def test_cold_requests_go_to_the_least_loaded() -> None:
+    states = fleet()
+    for i, rid in enumerate(["r0", "r1", "r3"]):
+        states[rid] = replace(states[rid], inflight=5 + i)
+    p = policy()
+    assert {p.decide(request(), list(states.values())).replica_id for _ in range(50)} == {"r2"}
+
+
+def test_herding_sampled_within_tolerance_only() -> None:
+    states = fleet(3)
+    # r0 best; r1 about 5% worse (inside 10%); r2 far worse.
+    states["r0"] = replace(states["r0"], matched_blocks=FULL, inflight=2)
+    states["r1"] = replace(states["r1"], matched_blocks=FULL, inflight=3)
+    states["r2"] = replace(states["r2"], inflight=0)
+    d = policy().decide(request(), list(states.values()))
+    assert d.costs["r1"] / d.costs["r0"] == pytest.approx(1.22, abs=0.01)
+    p = policy(tolerance=0.3)
+    counts = Counter(p.decide(request(), list(states.values())).replica_id for _ in range(300))
+    assert set(counts) == {"r0", "r1"} and counts["r0"] > counts["r1"] > 50
+    strict = policy(tolerance=0.1)
+    assert {strict.decide(request(), list(states.values())).replica_id for _ in range(100)} == {
+        "r0"
+    }
+
+
+def test_weights_add_scorers() -> None:
+    states = fleet(2)
+    states["r0"] = replace(states["r0"], kv_usage=0.85)
+    states["r1"] = replace(states["r1"], inflight=1)
+    assert (
+        policy(weights={"ttft": 0.0, "kv": 1.0}).decide(request(), list(states.values())).replica_id
+        == "r1"
+    )
+    assert policy(tolerance=0.0).decide(request(), list(states.values())).replica_id == "r0"
+    with pytest.raises(ValueError, match="unknown scorer 'magic'"):
+        policy(weights={"magic": 1.0})
+
+
+# -------------------------------------------------------------------------- other policies
+
+
+def test_least_loaded() -> None:
+    states = fleet(3)
+    states["r0"] = replace(states["r0"], inflight=3)
+    states["r1"] = replace(states["r1"], running=1, waiting=1)
+    d = policy("least_loaded").decide(request(), list(states.values()))
+    assert d.ranked == ("r2", "r1", "r0") and d.policy == "least_loaded"
+
+
+def test_round_robin_cycles_in_id_order() -> None:
+    p = policy("round_robin")
+    states = list(fleet(3).values())
+    seen = [p.decide(request(), states) for _ in range(6)]
+    assert [d.replica_id for d in seen] == ["r0", "r1", "r2", "r0", "r1", "r2"]
+    assert seen[1].ranked == ("r1", "r2", "r0")
+
+
+def test_random_covers_the_fleet() -> None:
+    p = policy("random", seed=3)
+    states = list(fleet().values())
+    assert {p.decide(request(), states).replica_id for _ in range(100)} == {"r0", "r1", "r2", "r3"}
+
+
+def test_session_affinity_is_stable_and_moves_only_a_departed_replicas_keys() -> None:
+    p = policy("session_affinity")
+    states = list(fleet(5).values())
+    keys = [f"session-{i}" for i in range(200)]
+    before = {k: p.decide(request(session_key=k), states).replica_id for k in keys}
+    assert before == {k: p.decide(request(session_key=k), states).replica_id for k in keys}
+    assert len(set(before.values())) == 5
+    states[2] = replace(states[2], healthy=False)
+    after = {k: p.decide(request(session_key=k), states).replica_id for k in keys}
+    moved = {k for k in keys if before[k] != after[k]}
+    assert moved == {k for k in keys if before[k] == "r2"}
+
+
+def test_session_affinity_falls_back_to_tenant_then_load() -> None:
+    p = policy("session_affinity")
+    states = fleet(4)
+    by_tenant = {
+        p.decide(request(tenant="acme"), list(states.values())).replica_id for _ in range(10)
+    }
+    assert len(by_tenant) == 1
+    for rid in ("r0", "r1", "r2"):
+        states[rid] = replace(states[rid], inflight=2)
+    assert p.decide(request(), list(states.values())).replica_id == "r3"
+
+
+# ------------------------------------------------------------------------ filters, fallback
+
+
+def test_filters_drop_unhealthy_ejected_and_wrong_model() -> None:
+    states = fleet(4)
+    states["r0"] = replace(states["r0"], healthy=False, matched_blocks=FULL)
+    states["r1"] = replace(states["r1"], ejected=True, matched_blocks=FULL)
+    states["r2"] = replace(states["r2"], models=frozenset({"other"}), matched_blocks=FULL)
+    d = policy().decide(request(), list(states.values()))
+    assert d.replica_id == "r3" and d.ranked == ("r3",) and not d.fallback
+
+
+def test_never_empty_when_everything_is_filtered() -> None:
+    states = [ReplicaState("a", healthy=False), ReplicaState("b", healthy=False, ejected=True)]
+    for name in POLICY_NAMES:
+        d = policy(name).decide(request(), states)
+        assert d.fallback and "healthy" in d.relaxed
+        # After relaxing health, not-ejected still applies.
+        assert d.ranked == ("a",)
+    d = policy().decide(RoutingRequest("unknown"), [ReplicaState("a", models=frozenset({"m"}))])
+    assert d.replica_id == "a" and d.relaxed == ("serves_model",)
+
+
+def test_no_replicas_and_duplicate_ids() -> None:
+    with pytest.raises(NoReplicasError):
+        policy().decide(request(), [])
+    with pytest.raises(ValueError, match="unique"):
+        policy().decide(request(), [ReplicaState("a"), ReplicaState("a")])
+
+
+def test_policies_are_independent_instances() -> None:
+    a, b = policy("round_robin"), policy("round_robin")
+    states = list(fleet(3).values())
+    a.decide(request(), states)
+    assert b.decide(request(), states).replica_id == "r0"
+
+
+def test_seeded_policy_is_reproducible() -> None:
+    states = list(fleet(6).values())
+    run1 = [policy(seed=11).decide(request(), states).ranked for _ in range(5)]
+    p1, p2 = policy(seed=11), policy(seed=11)
+    assert [p1.decide(request(), states).ranked for _ in range(20)] == [
+        p2.decide(request(), states).ranked for _ in range(20)
+    ]
+    assert len(set(run1)) == 1
+
+
+# -------------------------------------------------------------------------------- properties
+
+replica_states = st.builds(
+    ReplicaState,
+    replica_id=st.sampled_from([f"r{i}" for i in range(8)]),
+    healthy=st.booleans(),
+    verified=st.booleans(),
+    inflight=st.integers(0, 200),
+    running=st.integers(0, 200),
+    waiting=st.integers(0, 200),
+    kv_usage=st.floats(0.0, 1.0),
+    matched_blocks=st.integers(0, 300),
+    block_size=st.sampled_from([1, 16, 32]),
+    models=st.none() | st.just(frozenset({"m"})) | st.just(frozenset({"x"})),
+    ejected=st.booleans(),
+    capacity=st.none() | st.integers(1, 64),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(replica_states, min_size=1, max_size=8, unique_by=lambda r: r.replica_id),
+    st.sampled_from(POLICY_NAMES),
+    st.integers(0, 5000),
+    st.none() | st.text(max_size=8),
+    st.integers(0, 2**32),
+)
+def test_decision_invariants(
+    states: list[ReplicaState], name: str, tokens: int, session: str | None, seed: int
+) -> None:
+    d = policy(name, seed=seed).decide(request(tokens, session_key=session), states)
+    ids = {s.replica_id for s in states}
+    assert d.ranked and d.ranked[0] == d.replica_id
+    assert len(set(d.ranked)) == len(d.ranked) and set(d.ranked) <= ids
+    assert set(d.scores) == set(d.ranked)
+    assert all(0.0 <= s <= 1.0 for s in d.scores.values())
+    by_id = {s.replica_id: s for s in states}
+    for rid in d.ranked:
+        assert 0 <= d.predicted_cached[rid] <= max(tokens - 1, 0)
+        if not by_id[rid].verified:
+            assert d.predicted_cached[rid] == 0
+    # Every replica that passes all filters is ranked; none that fails one is, unless relaxed.
+    passing = {
+        s.replica_id
+        for s in states
+        if s.healthy and not s.ejected and (s.models is None or "m" in s.models)
+    }
+    if passing:
+        assert set(d.ranked) == passing and not d.fallback
+    else:
+        assert d.fallback
+    if name in ("least_loaded", "cache_aware", "session_affinity"):
+        # After the chosen one, the ranking is by score, best first.
+        rest = [d.scores[r] for r in d.ranked[1:]]
+        assert rest == sorted(rest, reverse=True)
