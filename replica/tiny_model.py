@@ -17,6 +17,10 @@ import argparse
 import json
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 BOS = "<s>"
 EOS = "</s>"
@@ -75,9 +79,7 @@ CHAT_TEMPLATE = (
     "{{- '</tool_call>' -}}"
     "{%- endfor -%}"
     "{%- endif -%}"
-    "{%- if not (loop.last and continue_final_message) -%}"
     "{{- '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
@@ -117,7 +119,7 @@ def training_corpus(seed: int = 0) -> list[str]:
     return lines
 
 
-def build_tokenizer(seed: int = 0):  # -> tokenizers.Tokenizer (imported lazily)
+def build_tokenizer(seed: int = 0) -> Tokenizer:
     """A byte-level BPE tokenizer with chat special tokens and a BOS post-processor."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from tokenizers.trainers import BpeTrainer
@@ -160,6 +162,16 @@ def _tokenizer_config() -> dict[str, object]:
     }
 
 
+def _special_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    ids: dict[str, int] = {}
+    for token in SPECIAL_TOKENS:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:  # the trainer was given every special token
+            raise RuntimeError(f"special token {token!r} missing from the trained vocabulary")
+        ids[token] = token_id
+    return ids
+
+
 def build_tiny_model(out: Path, *, seed: int = 0) -> Path:
     """Write a tiny random LlamaForCausalLM and its tokenizer into `out`; return `out`."""
     import torch
@@ -174,6 +186,7 @@ def build_tiny_model(out: Path, *, seed: int = 0) -> Path:
         json.dumps({"bos_token": BOS, "eos_token": IM_END, "pad_token": PAD}, indent=2)
     )
 
+    ids = _special_ids(tokenizer)
     config = LlamaConfig(
         vocab_size=tokenizer.get_vocab_size(),
         hidden_size=HIDDEN_SIZE,
@@ -183,14 +196,15 @@ def build_tiny_model(out: Path, *, seed: int = 0) -> Path:
         num_key_value_heads=NUM_HEADS,
         head_dim=HIDDEN_SIZE // NUM_HEADS,
         max_position_embeddings=MAX_POSITIONS,
-        bos_token_id=tokenizer.token_to_id(BOS),
-        eos_token_id=[tokenizer.token_to_id(IM_END), tokenizer.token_to_id(EOS)],
-        pad_token_id=tokenizer.token_to_id(PAD),
+        bos_token_id=ids[BOS],
+        eos_token_id=[ids[IM_END], ids[EOS]],
+        pad_token_id=ids[PAD],
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model: Any = LlamaForCausalLM(config)
+    model = model.to(dtype=torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     return out
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from vllm_server import VllmServer, start_vllm_server
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -101,3 +102,19 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         check=True, cwd=REPO,
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir: Path) -> Iterator[VllmServer]:
+    """One real vLLM server for the session, serving the tiny model on loopback.
+
+    Settings: block size 32, sha256, PYTHONHASHSEED "0", prefix caching, prompt token
+    details, KV events with replay. Attributes (tests/vllm_server.py `VllmServer`):
+    url ("http://127.0.0.1:PORT"), port, model_dir, served_model_name ("tiny"),
+    block_size (32), hash (router.hashing.HashConfig("sha256", 32, "0")),
+    kv_events_endpoint and replay_endpoint ("tcp://127.0.0.1:PORT"), log_path, pid.
+    Share it read-mostly: it is one prefix cache for every test using it. For other
+    settings, start your own with `start_vllm_server(model_dir, seed=..., ...)`.
+    """
+    with start_vllm_server(tiny_model_dir) as server:
+        yield server

@@ -1,0 +1,153 @@
+"""`python -m router bench-hash`: hashing and tokenization throughput at prompt sizes.
+
+The gateway tokenizes and hashes every request before it can route it, so these costs
+sit on the request path. This prints, for prompts of about 1k, 8k, 32k and 128k tokens:
+block hashing (every algorithm; full chain and one new turn on top of a known chain),
+and chat tokenization in full (a fresh tokenizer; a warm one without segment reuse)
+and incremental (one new ~200-token turn on a conversation whose history the segment
+cache has seen), checking that the incremental ids equal the full ones. The synthetic
+turns reuse a small word list, which flatters the warm full case (the tokenizer's own
+word cache hits almost always); real text sits between the cold and warm numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from router.hashing import HASH_ALGOS, BlockChain, HashConfig, chain_hashes
+
+SIZES = (1_000, 8_000, 32_000, 128_000)
+TURN_WORDS = 140  # about 200 tokens with the tiny model's tokenizer
+_WORDS = (
+    "cache prefix block token request replica gateway route model server latency prompt "
+    "system user assistant tool call function weather city temperature date error retry "
+    "queue memory throughput batch stream event index hash chain score policy session "
+    "history turn answer question summary document code value key list number the of and"
+).split()
+
+
+def _turn(rng: random.Random) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(TURN_WORDS)) + f" ({rng.randint(0, 10**6)})"
+
+
+def conversation(tokenizer: Any, target_tokens: int, seed: int = 0) -> list[dict[str, str]]:
+    """A system prompt plus alternating turns rendering to at least `target_tokens`."""
+    rng = random.Random(seed)
+    messages = [{"role": "system", "content": "You are a helpful assistant. " + _turn(rng)}]
+    # Estimate from one turn's size, then top up: rendering 128k tokens per turn is slow.
+    per_turn = max(1, len(tokenizer.encode(_turn(random.Random(seed)), add_special_tokens=False)))
+    n_turns = max(1, target_tokens // (per_turn + 4))
+    for i in range(n_turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": _turn(rng)})
+    while len(tokenizer.chat_tokens({"messages": messages})) < target_tokens:
+        messages.append({"role": "user" if len(messages) % 2 else "assistant", "content": _turn(rng)})
+    if messages[-1]["role"] != "user":
+        messages.append({"role": "user", "content": _turn(rng)})
+    return messages
+
+
+def _best_of(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _rate(tokens: int, seconds: float) -> str:
+    return f"{tokens / seconds / 1e6:8.2f} Mtok/s  {seconds * 1e3:9.2f} ms"
+
+
+def _bench_size(model_dir: Path, size: int, block_size: int, algos: tuple[str, ...],
+                repeats: int, rng: random.Random) -> list[str]:
+    from router.tokenize import PromptTokenizer
+
+    messages = conversation(PromptTokenizer.from_dir(model_dir), size)
+    body = {"messages": messages}
+    next_body = {"messages": [*messages, {"role": "assistant", "content": _turn(rng)},
+                              {"role": "user", "content": _turn(rng)}]}
+    ids = PromptTokenizer.from_dir(model_dir).chat_tokens(body)
+    # A fresh tokenizer per repeat: a full tokenization with an empty segment cache.
+    cold = iter([PromptTokenizer.from_dir(model_dir) for _ in range(repeats)])
+    t_full = _best_of(lambda: next(cold).chat_tokens(body), repeats)
+    warm = PromptTokenizer.from_dir(model_dir)
+    warm.chat_tokens(body)
+    next_ids = warm.chat_tokens(next_body)
+    text = warm.render_chat(next_body)
+    exact = next_ids == warm.encode(text, add_special_tokens=False)
+    t_incr = _best_of(lambda: warm.chat_tokens(next_body), repeats)
+    t_render = _best_of(lambda: warm.render_chat(next_body), repeats)
+    # The same tokenizer, warm (its BPE word cache filled) but without segment reuse.
+    t_warm_full = _best_of(lambda: warm.encode(text, add_special_tokens=False), repeats)
+
+    lines = [f"\n~{size // 1000}k tokens: history {len(ids)}, next turn +{len(next_ids) - len(ids)}"]
+    lines.append(f"  tokenize full (cold)          {_rate(len(ids), t_full)}")
+    lines.append(f"  tokenize full (warm BPE)      {_rate(len(next_ids), t_warm_full)}")
+    lines.append(f"  tokenize incremental (cached) {_rate(len(next_ids), t_incr)}"
+                 f"  exact={exact}  speedup x{t_full / t_incr:.1f}")
+    lines.append(f"    of which template render    {t_render * 1e3:9.2f} ms")
+    for algo in algos:
+        config = HashConfig(algo=algo, block_size=block_size, seed="0")
+        t_hash = _best_of(partial(chain_hashes, config, next_ids), repeats)
+        known = chain_hashes(config, ids)
+        extend_times = []
+        for _ in range(repeats):
+            chain = BlockChain(config)
+            chain.keys = list(known)
+            chain.tokens = list(ids[: len(known) * block_size])
+            start = time.perf_counter()
+            chain.extend(next_ids[len(chain.tokens):])
+            extend_times.append(time.perf_counter() - start)
+        lines.append(f"  hash {algo:<12} full           {_rate(len(next_ids), t_hash)}"
+                     f"  new turn only {min(extend_times) * 1e3:7.3f} ms")
+    return lines
+
+
+def bench(model_dir: Path, block_size: int, algos: tuple[str, ...], repeats: int,
+          sizes: tuple[int, ...] = SIZES) -> list[str]:
+    """Run every measurement; return the report lines."""
+    lines = [f"model {model_dir}, block size {block_size}, best of {repeats}"]
+    rng = random.Random(1)
+    for size in sizes:
+        lines += _bench_size(model_dir, size, block_size, algos, repeats, rng)
+    return lines
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=None,
+                        help="model directory (default: build the tiny model in a temp dir)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--algo", choices=HASH_ALGOS, action="append", default=None,
+                        help="hash algorithm to measure (repeatable; default: all)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sizes", default=",".join(str(s) for s in SIZES),
+                        help="comma-separated prompt sizes in tokens")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip())
+    except ValueError:
+        print(f"error: --sizes must be comma-separated integers, got {args.sizes!r}")
+        return 2
+    if args.block_size <= 0 or args.repeats <= 0 or not sizes or min(sizes) <= 0:
+        print("error: --block-size, --repeats and --sizes must be positive")
+        return 2
+    algos = tuple(args.algo or HASH_ALGOS)
+    with tempfile.TemporaryDirectory(prefix="cacheroute-bench-") as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            from replica.tiny_model import build_tiny_model
+
+            model_dir = build_tiny_model(Path(tmp) / "tiny")
+        for line in bench(model_dir, args.block_size, algos, args.repeats, sizes):
+            print(line, flush=True)
+    return 0

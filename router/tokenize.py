@@ -1,0 +1,714 @@
+"""Request body -> prompt token ids, exactly as vLLM 0.32 renders them for a model.
+
+A gateway predicts a replica's cache hits from the prompt's block keys, so it must see
+the very token ids the replica will: one stray BOS or a differently flattened message
+shifts every block. This module follows vLLM's renderer (vllm/renderers/chat_utils.py
+and hf.py) for the OpenAI endpoints:
+
+- chat: messages are normalised as vLLM does (text parts joined with "\\n", or kept as
+  a list of text parts when the template loops over message content: vLLM's "auto"
+  content format, detected the same way; tool-call `arguments` parsed from JSON into a
+  mapping; developer -> system when the template has no developer role); the template
+  is rendered by transformers'
+  `render_jinja_template` with the tokenizer's special tokens, tools (in vLLM's
+  model_dump form), add_generation_prompt (default True), continue_final_message and
+  chat_template_kwargs; the text is tokenized with add_special_tokens=False (the body's
+  add_special_tokens, default False);
+- completions: a text prompt is tokenized with add_special_tokens=True (the body's
+  add_special_tokens, default True); a list of ints passes through unchanged.
+
+Encoding uses a private copy of the fast tokenizer's Rust backend, which only reads
+its state, so the gateway may call every method here from a thread pool.
+
+Conversation-prefix cache: a chat's rendered text is split at added-token boundaries
+(role markers and the like). The tokenizer extracts added tokens before any
+pre-tokenization, so BPE never merges across them and each segment's ids are the same
+alone as in the whole text. An LRU of segment -> ids therefore makes re-tokenizing a
+long history nearly free and stays exact by construction; it is switched off for
+tokenizers where that argument does not hold (a normalizer, Metaspace pre-tokenizers,
+added tokens that strip neighbouring spaces).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, cast
+
+Endpoint = Literal["chat", "completions"]
+
+_TEXT_PART_FIELDS = {
+    "text": "text", "input_text": "text", "output_text": "text",
+    "refusal": "refusal", "thinking": "thinking",
+}
+# vLLM drops this first line of Claude Code's system prompt (its value changes on
+# every request and would break the prefix cache); we must drop it too.
+_CLAUDE_CODE_BILLING_HEADER = "x-anthropic-billing-header"
+_MAX_POSITION_KEYS = (
+    "max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+)
+
+
+class RequestError(ValueError):
+    """A request body the replica would reject (HTTP 400); `param` names the bad field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass
+class SegmentCacheStats:
+    """How the conversation-prefix cache has been used."""
+
+    hits: int = 0
+    misses: int = 0
+    entries: int = 0
+    chars: int = 0
+
+
+class SegmentCache:
+    """A thread-safe LRU of text segment -> token ids, bounded by total characters."""
+
+    def __init__(self, max_chars: int = 32_000_000) -> None:
+        self._max_chars = max_chars
+        self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+        self.stats = SegmentCacheStats()
+
+    def get(self, segment: str) -> tuple[int, ...] | None:
+        with self._lock:
+            ids = self._entries.get(segment)
+            if ids is None:
+                self.stats.misses += 1
+                return None
+            self._entries.move_to_end(segment)
+            self.stats.hits += 1
+            return ids
+
+    def put(self, segment: str, ids: tuple[int, ...]) -> None:
+        if len(segment) > self._max_chars:
+            return
+        with self._lock:
+            if segment in self._entries:
+                return
+            self._entries[segment] = ids
+            self._chars += len(segment)
+            while self._chars > self._max_chars:
+                old, _ = self._entries.popitem(last=False)
+                self._chars -= len(old)
+            self.stats.entries = len(self._entries)
+            self.stats.chars = self._chars
+
+
+def _require_str(value: Any, param: str) -> str:
+    if not isinstance(value, str):
+        raise RequestError(f"{param} must be a string, got {type(value).__name__}", param)
+    return value
+
+
+def _content_texts(content: Any, param: str) -> list[str]:
+    """The text pieces of a message's content (a string or a list of parts)."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list):
+        raise RequestError(
+            f"{param} must be a string or a list of content parts, got {type(content).__name__}",
+            param,
+        )
+    texts: list[str] = []
+    for i, part in enumerate(content):
+        where = f"{param}[{i}]"
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise RequestError(f"{where} must be an object, got {type(part).__name__}", where)
+        part_type = part.get("type")
+        field_name = _TEXT_PART_FIELDS.get(part_type) if isinstance(part_type, str) else None
+        if field_name is None:
+            raise RequestError(
+                f"{where} has type {part_type!r}; only text parts are supported "
+                f"({', '.join(sorted(_TEXT_PART_FIELDS))})",
+                where,
+            )
+        text = part.get(field_name)
+        if text is None:
+            continue  # vLLM skips a text part without text
+        texts.append(_require_str(text, f"{where}.{field_name}"))
+    return texts
+
+
+def _strip_billing_header(texts: list[str]) -> list[str]:
+    out = []
+    for text in texts:
+        if text.startswith(_CLAUDE_CODE_BILLING_HEADER):
+            text = text.partition("\n")[2]
+            if not text:
+                continue
+        out.append(text)
+    return out
+
+
+def _parse_arguments(arguments: Any) -> dict[str, Any]:
+    """Tool-call arguments as vLLM hands them to templates: always a mapping.
+
+    vLLM coerces malformed or non-object JSON to {} rather than failing the request,
+    since the bad string lives in the history and would fail every later turn too.
+    """
+    if not arguments:
+        return {}
+    if isinstance(arguments, dict):
+        return arguments
+    parsed: Any = arguments
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def _normalise_tool_calls(calls: Any, param: str) -> list[Any] | None:
+    if not isinstance(calls, list):
+        raise RequestError(f"{param} must be a list, got {type(calls).__name__}", param)
+    if not calls:
+        return None  # vLLM drops an empty list to keep templates on the plain path
+    out = []
+    for i, call in enumerate(calls):
+        where = f"{param}[{i}]"
+        if not isinstance(call, dict):
+            raise RequestError("assistant tool_calls entries must be objects.", "tool_calls")
+        function = call.get("function")
+        if call.get("type", "function") != "function" or not isinstance(function, dict):
+            raise RequestError(
+                "chat completions only support assistant tool_calls of type 'function'.",
+                "tool_calls",
+            )
+        call = copy.deepcopy(call)
+        call["function"]["arguments"] = _parse_arguments(function.get("arguments"))
+        if not isinstance(call["function"].get("name", ""), str):
+            raise RequestError(f"{where}.function.name must be a string", where)
+        out.append(call)
+    return out
+
+
+def normalise_messages(
+    messages: Any, *, content_format: str = "string"
+) -> list[dict[str, Any]]:
+    """Chat messages as vLLM passes them to the template (its 'string' or 'openai' form)."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of message objects", "messages")
+    conversation: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise RequestError(f"{where} must be an object, got {type(message).__name__}", where)
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise RequestError(f"{where}.role must be a non-empty string, got {role!r}", where)
+        texts = _content_texts(message.get("content"), f"{where}.content")
+        if role == "system":
+            texts = _strip_billing_header(texts)
+        content: Any
+        if content_format == "openai":
+            content = [{"type": "text", "text": t} for t in texts]
+        else:
+            content = "\n".join(texts)
+        out: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant":
+            if message.get("tool_calls") is not None:
+                calls = _normalise_tool_calls(message["tool_calls"], f"{where}.tool_calls")
+                if calls is not None:
+                    out["tool_calls"] = calls
+            reasoning = message.get("reasoning")
+            if reasoning is not None:
+                out["reasoning"] = out["reasoning_content"] = reasoning
+        elif role == "tool":
+            if "tool_call_id" in message:
+                out["tool_call_id"] = message["tool_call_id"]
+            if content_format == "openai":
+                out["content"] = "\n".join(texts)
+        if isinstance(message.get("name"), str):
+            out["name"] = message["name"]
+        if isinstance(message.get("task"), str):
+            out["task"] = message["task"]
+        if role == "developer":
+            out["tools"] = message.get("tools")
+        conversation.append(out)
+    return conversation
+
+
+def _developer_to_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's rewrite for templates without a developer role: one merged system message."""
+    converted = []
+    for msg in conversation:
+        if msg["role"] == "developer":
+            msg = {k: v for k, v in msg.items() if k != "tools"}
+            msg["role"] = "system"
+        converted.append(msg)
+    system_texts: list[str] = []
+    others: list[dict[str, Any]] = []
+    merge = False
+    for i, msg in enumerate(converted):
+        if msg["role"] != "system":
+            others.append(msg)
+            continue
+        merge = merge or i > 0 or bool(system_texts)
+        content = msg.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(
+                p["text"] if isinstance(p, dict) else p
+                for p in content
+                if isinstance(p, str) or (isinstance(p, dict) and "text" in p)
+            )
+        if content:
+            system_texts.append(content)
+    if not merge:
+        return converted
+    return [{"role": "system", "content": "\n\n".join(system_texts)}, *others]
+
+
+def normalise_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """Tool definitions in the shape vLLM's pydantic model_dump gives the template."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError(f"tools must be a list, got {type(tools).__name__}", "tools")
+    if not tools:
+        raise RequestError(
+            "`tools` must not be an empty array. "
+            "Either provide at least one tool or omit the field entirely.",
+            "tools",
+        )
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+            raise RequestError(f"{where} must be an object with a 'function' object", where)
+        if tool.get("type", "function") != "function":
+            raise RequestError(f"{where}.type must be 'function', got {tool.get('type')!r}", where)
+        fn = tool["function"]
+        name = fn.get("name")
+        if not isinstance(name, str):
+            raise RequestError(f"{where}.function.name must be a string, got {name!r}", where)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise RequestError(f"{where}.function.parameters must be an object", where)
+        function: dict[str, Any] = {
+            "name": name, "description": fn.get("description"), "parameters": params,
+        }
+        for optional in ("strict", "defer_loading"):
+            if fn.get(optional) is not None:
+                function[optional] = fn[optional]
+        if tool.get("defer_loading") is not None and "defer_loading" not in function:
+            function["defer_loading"] = tool["defer_loading"]
+        dumped: dict[str, Any] = {"type": "function", "function": function}
+        if tool.get("defer_loading") is not None:
+            dumped["defer_loading"] = tool["defer_loading"]
+        out.append(dumped)
+    return out
+
+
+# -- content format: vLLM's "auto" detection, ported from vllm/renderers/hf.py --------
+#
+# vLLM hands a template message content either as one string ("string") or as a list
+# of {"type": "text", ...} parts ("openai"); it picks "openai" when the template loops
+# over a message's content. The rendered text differs between the two, so the gateway
+# must pick the same way.
+
+
+def _is_var(node: Any, name: str) -> bool:
+    from jinja2 import nodes
+
+    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
+
+
+def _is_attr(node: Any, name: str, key: str) -> bool:
+    from jinja2 import nodes
+
+    if isinstance(node, nodes.Getitem):
+        return _is_var(node.node, name) and isinstance(node.arg, nodes.Const) and node.arg.value == key
+    if isinstance(node, nodes.Getattr):
+        return _is_var(node.node, name) and node.attr == key
+    return False
+
+
+def _is_var_or_elems(node: Any, name: str, key: str | None = None) -> bool:
+    from jinja2 import nodes
+
+    if isinstance(node, nodes.Filter):
+        return node.node is not None and _is_var_or_elems(node.node, name, key)
+    if isinstance(node, nodes.Test):
+        return _is_var_or_elems(node.node, name, key)
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+        return _is_var_or_elems(node.node, name, key)
+    return _is_attr(node, name, key) if key else _is_var(node, name)
+
+
+def _aliases(root: Any, name: str) -> list[str]:
+    """`name` and every variable assigned from it (or a slice of it), transitively."""
+    from jinja2 import nodes
+
+    found = [name]
+    queue = [name]
+    while queue:
+        current = queue.pop(0)
+        for assign in root.find_all(nodes.Assign):
+            if _is_var_or_elems(assign.node, current) and isinstance(assign.target, nodes.Name):
+                found.append(assign.target.name)
+                if assign.target.name != current:
+                    queue.append(assign.target.name)
+    return found
+
+
+def _loops_over_content(root: Any) -> bool:
+    from jinja2 import nodes
+
+    messages = _aliases(root, "messages")
+    message_vars = [
+        loop.target.name
+        for loop in root.find_all(nodes.For)
+        if isinstance(loop.target, nodes.Name) and any(_is_var_or_elems(loop.iter, m) for m in messages)
+    ]
+    # Macro parameters that receive message.content, whatever they are called.
+    params_by_loop: dict[int, set[str]] = {}
+    loops_in_macros: set[int] = set()
+    for macro in root.find_all(nodes.Macro):
+        names = {arg.name for arg in macro.args}
+        params: set[str] = set()
+        for call in root.find_all(nodes.Call):
+            if not (isinstance(call.node, nodes.Name) and call.node.name == macro.name):
+                continue
+            for i, arg in enumerate(call.args):
+                if i < len(macro.args) and any(_is_var_or_elems(arg, v, "content") for v in message_vars):
+                    params.add(macro.args[i].name)
+            for kw in call.kwargs:
+                if kw.key in names and any(
+                    _is_var_or_elems(kw.value, v, "content") for v in message_vars
+                ):
+                    params.add(kw.key)
+        for loop in macro.find_all(nodes.For):
+            loops_in_macros.add(id(loop))
+            if params:
+                params_by_loop[id(loop)] = params
+    for loop in root.find_all(nodes.For):
+        if any(_is_var_or_elems(loop.iter, v, "content") for v in message_vars):
+            return True
+        if isinstance(loop.iter, nodes.Name):
+            if loop.iter.name in params_by_loop.get(id(loop), set()):
+                return True
+            if id(loop) not in loops_in_macros and loop.iter.name == "content":
+                return True
+    return False
+
+
+def detect_content_format(chat_template: str) -> str:
+    """'openai' if the template loops over message content, else 'string' (as vLLM's auto)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        root = _compile_jinja_template(chat_template).environment.parse(chat_template)
+    except Exception:  # vLLM falls back to "string" for a template it cannot parse
+        return "string"
+    try:
+        return "openai" if _loops_over_content(root) else "string"
+    except Exception:
+        return "string"
+
+
+def _token_ids(value: Any, param: str) -> list[int] | None:
+    """`value` as a token-id list, None if it is not a list of ints at all."""
+    if not isinstance(value, list) or not value:
+        return None
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return None
+    for t in value:
+        if t < 0:
+            raise RequestError(f"{param} holds a negative token id {t}", param)
+    return list(value)
+
+
+def _truncate(ids: list[int], body: dict[str, Any], max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last k tokens (-1: the model's context)."""
+    k = body.get("truncate_prompt_tokens")
+    if k is None:
+        return ids
+    if not isinstance(k, int) or isinstance(k, bool) or k < -1:
+        raise RequestError(
+            f"truncate_prompt_tokens must be an integer >= -1, got {k!r}", "truncate_prompt_tokens"
+        )
+    if k == -1:
+        k = max_model_len
+    return ids[-k:] if k and len(ids) > k else ids
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be a boolean, got {value!r}", name)
+    return value
+
+
+def _read_max_model_len(model_dir: Path) -> int:
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return 0
+    for key in _MAX_POSITION_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def _segment_cache_is_exact(tokenizer_json: dict[str, Any]) -> bool:
+    """Whether splitting text at added tokens and encoding pieces alone is exact."""
+    if tokenizer_json.get("normalizer") is not None:
+        return False
+    if "Metaspace" in json.dumps(tokenizer_json.get("pre_tokenizer")):
+        return False  # its "first" prepend scheme treats the start of the text specially
+    for token in tokenizer_json.get("added_tokens", []):
+        if token.get("lstrip") or token.get("rstrip") or token.get("single_word"):
+            return False
+    return True
+
+
+class PromptTokenizer:
+    """Renders and tokenizes OpenAI request bodies as a vLLM replica of one model does."""
+
+    def __init__(self, hf_tokenizer: Any, *, max_model_len: int = 0,
+                 content_format: str = "auto", segment_cache_chars: int = 32_000_000,
+                 chat_template: str | None = None) -> None:
+        from tokenizers import Tokenizer
+
+        self._hf = hf_tokenizer
+        # A private copy with no truncation or padding: transformers mutates its own
+        # backend's settings per call, which is not safe across threads.
+        backend_json = hf_tokenizer.backend_tokenizer.to_str()
+        self._backend = Tokenizer.from_str(backend_json)
+        self._backend.no_truncation()
+        self._backend.no_padding()
+        self._special_tokens_map: dict[str, Any] = dict(hf_tokenizer.special_tokens_map)
+        self.max_model_len = max_model_len or int(getattr(hf_tokenizer, "model_max_length", 0))
+        if content_format not in ("auto", "string", "openai"):
+            raise ValueError(
+                f"content_format must be 'auto', 'string' or 'openai', got {content_format!r}"
+            )
+        self.content_format = content_format
+        self._detected_formats: dict[str, str] = {}
+        # The replica's --chat-template, when it overrides the tokenizer's own.
+        self._chat_template = chat_template
+        self.vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
+        parsed = json.loads(backend_json)
+        added = sorted(
+            (t["content"] for t in parsed.get("added_tokens", []) if t.get("content")),
+            key=len, reverse=True,
+        )
+        self._added_ids = {t["content"]: t["id"] for t in parsed.get("added_tokens", [])}
+        self._splitter = re.compile("(" + "|".join(re.escape(t) for t in added) + ")") if added else None
+        self.segment_cache: SegmentCache | None = (
+            SegmentCache(segment_cache_chars)
+            if self._splitter is not None and _segment_cache_is_exact(parsed) else None
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path, **kwargs: Any) -> PromptTokenizer:
+        """Load the tokenizer (and context length) of a model directory."""
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
+            raise FileNotFoundError(f"no tokenizer files in model directory {str(path)!r}")
+        hf = AutoTokenizer.from_pretrained(str(path))
+        if not getattr(hf, "is_fast", False):
+            raise ValueError(f"{str(path)!r} has no fast (tokenizer.json) tokenizer")
+        kwargs.setdefault("max_model_len", _read_max_model_len(path))
+        return cls(hf, **kwargs)
+
+    # -- encoding -------------------------------------------------------------
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text`, straight through the tokenizer."""
+        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_cached(self, text: str) -> list[int]:
+        """Token ids of `text` without special tokens added, via the segment cache."""
+        cache, splitter = self.segment_cache, self._splitter
+        if cache is None or splitter is None:
+            return self.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        for piece in splitter.split(text):
+            if not piece:
+                continue
+            special = self._added_ids.get(piece)
+            if special is not None:
+                ids.append(special)
+                continue
+            cached = cache.get(piece)
+            if cached is None:
+                cached = tuple(self._backend.encode(piece, add_special_tokens=False).ids)
+                cache.put(piece, cached)
+            ids.extend(cached)
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids, special tokens included (to show what a prompt holds)."""
+        return str(self._backend.decode(list(ids), skip_special_tokens=False))
+
+    # -- chat -----------------------------------------------------------------
+
+    def content_format_for(self, template: str) -> str:
+        """The message content format vLLM uses with `template` ("string" or "openai")."""
+        if self.content_format != "auto":
+            return self.content_format
+        detected = self._detected_formats.get(template)
+        if detected is None:
+            detected = detect_content_format(template)
+            self._detected_formats[template] = detected  # a benign race: same value
+        return detected
+
+    def render_chat(self, body: dict[str, Any]) -> str:
+        """The prompt text vLLM's chat template renders for a chat-completions body."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        if not isinstance(body, dict):
+            raise RequestError("request body must be a JSON object")
+        if body.get("chat_template") is not None:
+            raise RequestError(
+                "chat_template is not allowed in requests (the server does not trust it)",
+                "chat_template",
+            )
+        tools = normalise_tools(body.get("tools"))
+        template = self._chat_template or self._hf.get_chat_template(None, tools=tools)
+        conversation = normalise_messages(
+            body.get("messages"), content_format=self.content_format_for(template)
+        )
+        add_generation_prompt = _flag(body, "add_generation_prompt", True)
+        continue_final = _flag(body, "continue_final_message", False)
+        if add_generation_prompt and continue_final:
+            # add_generation_prompt defaults to True, so a client continuing the final
+            # message must turn it off; vLLM rejects the pair whether or not it is explicit.
+            raise RequestError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                "continue_final_message",
+            )
+        user_kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(user_kwargs, dict):
+            raise RequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
+        bad = {"chat_template", "tokenize"} & user_kwargs.keys()
+        if bad:
+            raise RequestError(
+                f"Found unexpected chat template kwargs from request: {sorted(bad)}",
+                "chat_template_kwargs",
+            )
+        kwargs: dict[str, Any] = {k: v for k, v in user_kwargs.items() if v is not None}
+        if body.get("reasoning_effort") is not None:
+            kwargs["reasoning_effort"] = body["reasoning_effort"]
+            kwargs.setdefault("enable_thinking", body["reasoning_effort"] != "none")
+        documents = body.get("documents")
+        kwargs.pop("add_generation_prompt", None)
+        kwargs.pop("continue_final_message", None)
+        kwargs.pop("documents", None)
+        kwargs.pop("tools", None)
+
+        if any(m["role"] == "developer" for m in conversation) and not (
+            '"developer"' in template or "'developer'" in template
+        ):
+            conversation = _developer_to_system(conversation)
+        template_kwargs = {**self._special_tokens_map, **kwargs}
+        try:
+            # Annotated as str, but it returns (rendered chats, generation indices).
+            result: Any = render_jinja_template(
+                conversations=[conversation],
+                tools=cast(Any, tools),
+                documents=documents,
+                chat_template=template,
+                continue_final_message=continue_final,
+                add_generation_prompt=add_generation_prompt,
+                **template_kwargs,
+            )
+        except Exception as exc:  # a template rejects bad input by raising; vLLM -> 400
+            raise RequestError(f"chat template rejected the request: {exc}", "messages") from exc
+        return str(result[0][0])
+
+    def chat_tokens(self, body: dict[str, Any]) -> list[int]:
+        """Prompt token ids of a chat-completions body."""
+        text = self.render_chat(body)
+        if _flag(body, "add_special_tokens", False):
+            ids = self.encode(text, add_special_tokens=True)
+        else:
+            ids = self.encode_cached(text)
+        return _truncate(ids, body, self.max_model_len)
+
+    # -- completions ----------------------------------------------------------
+
+    def completion_prompts(self, body: dict[str, Any]) -> list[list[int]]:
+        """Token ids of every prompt in a completions body (vLLM accepts batches)."""
+        if not isinstance(body, dict):
+            raise RequestError("request body must be a JSON object")
+        prompt = body.get("prompt")
+        add_special = _flag(body, "add_special_tokens", True)
+        prompts: list[Any]
+        if isinstance(prompt, str) or _token_ids(prompt, "prompt") is not None:
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt:
+            prompts = prompt
+        else:
+            raise RequestError(
+                "prompt must be a string, a list of token ids, or a non-empty list of those; "
+                f"got {json.dumps(prompt)[:80]}",
+                "prompt",
+            )
+        out = []
+        for i, item in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if isinstance(item, str):
+                ids = self.encode(item, add_special_tokens=add_special)
+            else:
+                token_ids = _token_ids(item, where)
+                if token_ids is None:
+                    raise RequestError(
+                        f"{where} must be a string or a non-empty list of integer token ids, "
+                        f"got {json.dumps(item)[:80]}",
+                        "prompt",
+                    )
+                ids = token_ids
+            out.append(_truncate(ids, body, self.max_model_len))
+        return out
+
+    def completion_tokens(self, body: dict[str, Any]) -> list[int]:
+        """Prompt token ids of a completions body (the first prompt of a batch)."""
+        return self.completion_prompts(body)[0]
+
+    def request_tokens(self, body: dict[str, Any], endpoint: Endpoint) -> list[int]:
+        """Prompt token ids for `endpoint` ("chat" or "completions")."""
+        if endpoint == "chat":
+            return self.chat_tokens(body)
+        if endpoint == "completions":
+            return self.completion_tokens(body)
+        raise ValueError(f"unknown endpoint {endpoint!r}; expected 'chat' or 'completions'")
+
+
+def endpoint_of(body: Any) -> Endpoint:
+    """Which endpoint a bare request body is for: chat if it has messages, else completions."""
+    if isinstance(body, dict) and "messages" in body:
+        return "chat"
+    if isinstance(body, dict) and "prompt" in body:
+        return "completions"
+    raise RequestError("request body needs either 'messages' (chat) or 'prompt' (completions)")
+
+
+Decode = Callable[[Sequence[int]], str]
