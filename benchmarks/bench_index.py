@@ -1,0 +1,267 @@
+"""Prefix-index lookup latency and Redis memory per entry, measured side by side.
+
+    .venv/bin/python benchmarks/bench_index.py [--redis redis://127.0.0.1:PORT/0] [--repeat N]
+
+Without --redis it starts its own redis-server on a free loopback port (and stops it).
+For each chain length it times one lookup of a chain that replica r0 holds in full
+(the worst case: the walk cannot stop early) while r1..r3 hold shorter prefixes, with:
+
+  (a) pipeline  one HGETALL per block in a single redis-py pipeline, walked in Python
+  (b) lua       RedisIndex.lookup: one EVALSHA that walks the chain inside Redis
+  (c) memory    MemoryIndex.lookup
+  (d) near      NearCache over RedisIndex, a repeated lookup (a cache hit)
+
+and the latency of RedisIndex.record for the same chain. Then Redis memory per block
+entry: INFO memory before and after indexing N blocks for one replica, and for more
+replicas holding the same blocks. Last, how many KV-event batches per second one
+ReplicaEventStream applies to each backend (real ZMQ on loopback).
+
+Variants are timed interleaved, so a shared machine's load falls on each alike; absolute
+numbers still move with that load, the ratios much less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+
+import zmq
+import zmq.asyncio
+
+from router.events import ReplicaEventStream
+from router.index import MemoryIndex, NearCache, PrefixIndex, RedisIndex
+from router.kv_events import BlockRemoved, BlockStored, EventBatch, encode_batch, seq_bytes
+
+MODEL = "bench"
+CHAIN_LENGTHS = (64, 512, 2048, 8192)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def own_redis() -> Iterator[str]:
+    """A private redis-server on a free loopback port, stopped on exit."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise SystemExit("redis-server did not start") from None
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+async def pipeline_lookup(index: RedisIndex, model: str, keys: Sequence[int]) -> dict[str, int]:
+    """Variant (a): one HGETALL per block in one pipeline, then the walk in Python."""
+    pipe = index.client.pipeline(transaction=False)
+    for key in keys:
+        pipe.hgetall(index.block_key(model, key))
+    holders = await pipe.execute()
+    now_ms = time.time() * 1000
+    counts: dict[str, int] = {}
+    alive: set[bytes] | None = None
+    for i, held in enumerate(holders, start=1):
+        nxt = {r for r, exp in held.items()
+               if (alive is None or r in alive) and (exp == b"0" or int(exp) > now_ms)}
+        if not nxt:
+            break
+        for r in nxt:
+            counts[r.decode()] = i
+        alive = nxt
+    return counts
+
+
+async def timed(fns: Sequence[Callable[[], Awaitable[object]]], repeat: int
+                ) -> list[tuple[float, float]]:
+    """Median and p99 in ms of each function, interleaved so that load on a shared
+    machine falls on every variant alike (after two warm-up rounds)."""
+    samples: list[list[float]] = [[] for _ in fns]
+    for round_ in range(repeat + 2):
+        for fn, out in zip(fns, samples, strict=True):
+            t0 = time.perf_counter()
+            await fn()
+            if round_ >= 2:
+                out.append((time.perf_counter() - t0) * 1000)
+    result = []
+    for out in samples:
+        out.sort()
+        result.append((statistics.median(out), out[min(len(out) - 1, int(len(out) * 0.99))]))
+    return result
+
+
+async def bench_lookups(url: str, repeat: int) -> None:
+    redis_index = RedisIndex.from_url(url, lookup_timeout_s=10, op_timeout_s=30,
+                                      socket_timeout_s=30)
+    near = NearCache(redis_index, ttl_s=60)
+    memory = MemoryIndex()
+    try:
+        print(f"lookup latency, ms (median / p99 of {repeat}); r0 holds the whole chain")
+        header = f"{'blocks':>7} | {'(a) pipeline':>15} | {'(b) lua':>15} | " \
+                 f"{'(c) memory':>15} | {'(d) near hit':>15} | {'record (lua)':>15}"
+        print(header)
+        print("-" * len(header))
+        for n in CHAIN_LENGTHS:
+            base = n * 1_000_003  # disjoint key ranges per chain length
+            chain = list(range(base, base + n))
+            for idx in (redis_index, memory):
+                await idx.add(MODEL, "r0", chain)
+                await idx.add(MODEL, "r1", chain[: n // 2])
+                await idx.add(MODEL, "r2", chain[: n // 4])
+                await idx.add(MODEL, "r3", chain[: n // 8])
+            expect = {"r0": n, "r1": n // 2, "r2": n // 4, "r3": n // 8}
+            assert await pipeline_lookup(redis_index, MODEL, chain) == expect
+            assert await redis_index.lookup(MODEL, chain) == expect
+            assert await memory.lookup(MODEL, chain) == expect
+            assert await near.lookup(MODEL, chain) == expect
+            results = await timed([
+                partial(pipeline_lookup, redis_index, MODEL, chain),
+                partial(redis_index.lookup, MODEL, chain),
+                partial(memory.lookup, MODEL, chain),
+                partial(near.lookup, MODEL, chain),
+                partial(redis_index.record, MODEL, "rw", chain, 600),
+            ], repeat)
+            cells = [f"{m:7.3f} / {p:6.3f}" for m, p in results]
+            print(f"{n:>7} | " + " | ".join(cells))
+    finally:
+        await redis_index.close()
+
+
+async def used_memory(index: RedisIndex) -> int:
+    info = await index.client.info("memory")
+    return int(info["used_memory"])
+
+
+async def bench_memory(url: str, blocks: int) -> None:
+    index = RedisIndex.from_url(url, op_timeout_s=60, socket_timeout_s=60)
+    try:
+        await index.client.flushall()
+        chunk = 4096
+        keys = list(range(7_000_000_000, 7_000_000_000 + blocks))
+        before = await used_memory(index)
+        for i in range(0, blocks, chunk):
+            await index.add(MODEL, "replica-0", keys[i:i + chunk])
+        one = await used_memory(index)
+        for i in range(0, blocks, chunk):
+            await index.add(MODEL, "replica-1", keys[i:i + chunk])
+        two = await used_memory(index)
+        for i in range(0, blocks, chunk):
+            await index.record(MODEL, "replica-2", keys[i:i + chunk], ttl_s=3600)
+        three = await used_memory(index)
+        print(f"\nRedis memory, {blocks:,} blocks (INFO used_memory):")
+        print(f"  first holder (new block key + reverse index):     "
+              f"{(one - before) / blocks:7.1f} bytes/block")
+        print(f"  second holder (extra hash field + reverse index): "
+              f"{(two - one) / blocks:7.1f} bytes/block")
+        print(f"  third holder, record() with a TTL:                "
+              f"{(three - two) / blocks:7.1f} bytes/block")
+        print(f"  total for {blocks:,} blocks x 3 holders: {(three - before) / 2**20:.1f} MiB")
+        await index.clear_replica("replica-0")
+        await index.clear_replica("replica-1")
+        await index.clear_replica("replica-2")
+        left = await index.client.dbsize()
+        print(f"  keys left after clear_replica of all three: {left}")
+    finally:
+        await index.close()
+
+
+async def apply_rate(index: PrefixIndex, batches: int) -> float:
+    """Batches per second one ReplicaEventStream applies (each: 4 blocks stored, 1 removed)."""
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.SNDHWM, 0)  # the benchmark must not drop: no replay socket here
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    stream = ReplicaEventStream("r0", f"tcp://127.0.0.1:{port}", None, index, MODEL,
+                                context=ctx)
+    stream.start()
+    try:
+        async with asyncio.timeout(30):
+            await pub.recv()  # the subscription arrived
+        payloads = []
+        for i in range(batches):
+            base = 10_000_000 + 4 * i
+            payloads.append(encode_batch(EventBatch(ts=time.time(), events=[
+                BlockStored(block_hashes=list(range(base, base + 4)), parent_block_hash=None,
+                            token_ids=[0] * 64, block_size=16, lora_id=None, medium="GPU",
+                            lora_name=None),
+                BlockRemoved(block_hashes=[base - 1], medium="GPU")])))
+        t0 = time.perf_counter()
+        for seq, payload in enumerate(payloads):
+            await pub.send_multipart([b"", seq_bytes(seq), payload])
+        async with asyncio.timeout(300):
+            while True:
+                if stream.stats.last_seq == batches - 1:
+                    break
+                await asyncio.sleep(0.005)  # polling for completion
+        elapsed = time.perf_counter() - t0
+        assert stream.stats.gaps == 0 and stream.stats.decode_errors == 0
+        return batches / elapsed
+    finally:
+        await stream.stop()
+        pub.close(linger=0)
+        ctx.term()
+
+
+async def bench_events(url: str, batches: int) -> None:
+    redis_index = RedisIndex.from_url(url, op_timeout_s=30, socket_timeout_s=30)
+    try:
+        memory_rate = await apply_rate(MemoryIndex(), batches)
+        redis_rate = await apply_rate(redis_index, batches)
+    finally:
+        await redis_index.close()
+    print(f"\nKV-event apply rate, one stream, {batches:,} batches of 4 stored + 1 removed:")
+    print(f"  memory index: {memory_rate:8.0f} batches/s")
+    print(f"  redis index:  {redis_rate:8.0f} batches/s (two round trips per batch)")
+
+
+async def main_async(args: argparse.Namespace, url: str) -> None:
+    await bench_lookups(url, args.repeat)
+    await bench_memory(url, args.memory_blocks)
+    await bench_events(url, args.event_batches)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--redis", help="use this Redis (its data is flushed!) instead of "
+                        "starting a private one")
+    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--memory-blocks", type=int, default=200_000)
+    parser.add_argument("--event-batches", type=int, default=5_000)
+    args = parser.parse_args()
+    print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, loopback Redis\n")
+    if args.redis:
+        asyncio.run(main_async(args, args.redis))
+    else:
+        with own_redis() as url:
+            asyncio.run(main_async(args, url))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

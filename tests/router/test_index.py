@@ -1,0 +1,335 @@
+"""PrefixIndex behaviour, one suite run against MemoryIndex and RedisIndex (real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from conftest import RedisServer
+
+from router.index import (
+    IndexUnavailable,
+    MemoryIndex,
+    NearCache,
+    PrefixIndex,
+    RedisIndex,
+    open_index,
+)
+
+MODEL = "tiny"
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], deadline_s: float = 10.0) -> None:
+    """Poll an async condition until it holds, failing after the deadline."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if await check():
+            return
+        await asyncio.sleep(0.02)  # polling interval, not synchronisation
+    raise AssertionError(f"condition not met within {deadline_s}s")
+
+
+@pytest.fixture(params=["memory", "redis", "near-cache"])
+async def index(request: pytest.FixtureRequest) -> AsyncIterator[PrefixIndex]:
+    if request.param == "memory":
+        idx: PrefixIndex = MemoryIndex()
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        idx = RedisIndex.from_url(server.url)
+        if request.param == "near-cache":
+            idx = NearCache(idx, ttl_s=0.05)
+    try:
+        yield idx
+    finally:
+        await idx.close()
+
+
+async def test_lookup_returns_each_replicas_leading_run(index: PrefixIndex) -> None:
+    await index.add(MODEL, "r1", [1, 2, 3, 4])
+    await index.add(MODEL, "r2", [1, 2])
+    await index.add(MODEL, "r3", [2, 3, 4])  # no block 0: cannot hit anything
+    assert await index.lookup(MODEL, [1, 2, 3, 4, 5]) == {"r1": 4, "r2": 2}
+    assert await index.lookup(MODEL, [1, 9, 3]) == {"r1": 1, "r2": 1}
+    assert await index.lookup(MODEL, [7, 1, 2]) == {}
+    assert await index.lookup(MODEL, []) == {}
+
+
+async def test_a_hole_ends_the_run(index: PrefixIndex) -> None:
+    await index.add(MODEL, "r1", [1, 2, 3, 4, 5])
+    await index.remove(MODEL, "r1", [3])
+    assert await index.lookup(MODEL, [1, 2, 3, 4, 5]) == {"r1": 2}
+    await index.add(MODEL, "r1", [3])
+    assert await index.lookup(MODEL, [1, 2, 3, 4, 5]) == {"r1": 5}
+
+
+async def test_models_and_loras_are_separate_scopes(index: PrefixIndex) -> None:
+    await index.add(MODEL, "r1", [1, 2])
+    await index.add(f"{MODEL}@sql", "r2", [1, 2, 3])
+    assert await index.lookup(MODEL, [1, 2, 3]) == {"r1": 2}
+    assert await index.lookup(f"{MODEL}@sql", [1, 2, 3]) == {"r2": 3}
+    assert await index.lookup("other", [1, 2, 3]) == {}
+
+
+async def test_clear_replica_leaves_other_replicas_intact(index: PrefixIndex) -> None:
+    await index.add(MODEL, "r1", [1, 2, 3])
+    await index.add(f"{MODEL}@sql", "r1", [1, 2])
+    await index.add(MODEL, "r2", [1, 2])
+    await index.add(f"{MODEL}@sql", "r2", [1])
+    await index.clear_replica("r1")
+    assert await index.lookup(MODEL, [1, 2, 3]) == {"r2": 2}
+    assert await index.lookup(f"{MODEL}@sql", [1, 2]) == {"r2": 1}
+    # The replica can be filled again after a clear.
+    await index.add(MODEL, "r1", [1])
+    assert await index.lookup(MODEL, [1, 2, 3]) == {"r1": 1, "r2": 2}
+
+
+async def test_record_entries_expire_after_their_ttl(index: PrefixIndex) -> None:
+    await index.record(MODEL, "r1", [1, 2, 3], ttl_s=0.3)
+    await index.record(MODEL, "r2", [1, 2, 3], ttl_s=60)
+    assert await index.lookup(MODEL, [1, 2, 3]) == {"r1": 3, "r2": 3}
+
+    async def r1_expired() -> bool:
+        return await index.lookup(MODEL, [1, 2, 3]) == {"r2": 3}
+
+    await eventually(r1_expired)
+
+
+async def test_touch_refreshes_the_ttl(index: PrefixIndex) -> None:
+    await index.record(MODEL, "r1", [1, 2], ttl_s=0.3)
+    await index.record(MODEL, "r1", [1, 2], ttl_s=60)  # the gateway sent the chain again
+    await index.record(MODEL, "r2", [1, 2], ttl_s=0.3)  # a witness that 0.3 s passed
+
+    async def witness_expired() -> bool:
+        return "r2" not in await index.lookup(MODEL, [1, 2])
+
+    await eventually(witness_expired)
+    assert await index.lookup(MODEL, [1, 2]) == {"r1": 2}
+
+
+async def test_an_expired_block_mid_chain_ends_the_run(index: PrefixIndex) -> None:
+    await index.record(MODEL, "r1", [1, 2, 3], ttl_s=60)
+    await index.record(MODEL, "r1", [2], ttl_s=0.2)  # block 2's entry now expires first
+
+    async def run_cut() -> bool:
+        return await index.lookup(MODEL, [1, 2, 3]) == {"r1": 1}
+
+    await eventually(run_cut)
+
+
+async def test_capacity_trims_least_recently_touched_leaf_first(index: PrefixIndex) -> None:
+    a, b = [11, 12, 13], [21, 22, 23]
+    await index.record(MODEL, "r1", a, ttl_s=60, capacity_blocks=4)
+    await index.record(MODEL, "r1", b, ttl_s=60, capacity_blocks=4)
+    # 6 entries, bound 4: chain a was touched first, and its tail goes first.
+    assert await index.lookup(MODEL, a) == {"r1": 1}
+    assert await index.lookup(MODEL, b) == {"r1": 3}
+    await index.record(MODEL, "r1", a, ttl_s=60, capacity_blocks=4)
+    assert await index.lookup(MODEL, a) == {"r1": 3}
+    assert await index.lookup(MODEL, b) == {"r1": 1}
+    # Capacity is per replica: another replica's entries are untouched.
+    await index.record(MODEL, "r2", b, ttl_s=60, capacity_blocks=4)
+    assert await index.lookup(MODEL, b) == {"r1": 1, "r2": 3}
+
+
+async def test_capacity_from_the_constructor_applies_to_events_too() -> None:
+    index = MemoryIndex(capacity_blocks=2)
+    await index.add(MODEL, "r1", [1, 2, 3])
+    assert await index.lookup(MODEL, [1, 2, 3]) == {"r1": 2}
+
+
+async def test_redis_capacity_from_the_constructor(redis_server: RedisServer) -> None:
+    index = RedisIndex.from_url(redis_server.url, capacity_blocks=2)
+    try:
+        await index.add(MODEL, "r1", [1, 2, 3])
+        assert await index.lookup(MODEL, [1, 2, 3]) == {"r1": 2}
+    finally:
+        await index.close()
+
+
+async def test_long_chains_in_one_call(index: PrefixIndex) -> None:
+    chain = list(range(1, 5001))
+    await index.add(MODEL, "r1", chain)
+    await index.add(MODEL, "r2", chain[:4000])
+    assert await index.lookup(MODEL, chain) == {"r1": 5000, "r2": 4000}
+    await index.remove(MODEL, "r1", chain[2500:])
+    assert await index.lookup(MODEL, chain) == {"r1": 2500, "r2": 4000}
+
+
+@pytest.mark.parametrize("seed", [7, 8, 9])
+async def test_redis_and_memory_agree_on_random_operations(
+    redis_server: RedisServer, seed: int
+) -> None:
+    rng = random.Random(seed)
+    memory = MemoryIndex(capacity_blocks=12)
+    redis_index = RedisIndex.from_url(redis_server.url, capacity_blocks=12)
+    chains = [[rng.randrange(1, 40) for _ in range(rng.randrange(1, 9))] for _ in range(6)]
+    models, replicas = [MODEL, f"{MODEL}@sql"], ["r1", "r2", "r3"]
+    try:
+        for step in range(200):
+            op = rng.choice(["add", "add", "remove", "record", "clear"])
+            model, replica = rng.choice(models), rng.choice(replicas)
+            chain = rng.choice(chains)
+            tail = chain[rng.randrange(len(chain)):]
+            for idx in (memory, redis_index):
+                if op == "add":
+                    await idx.add(model, replica, chain)
+                elif op == "remove":
+                    await idx.remove(model, replica, tail)
+                elif op == "record":
+                    await idx.record(model, replica, chain, ttl_s=600)
+                else:
+                    await idx.clear_replica(replica)
+            for probe in chains:
+                for m in models:
+                    want = await memory.lookup(m, probe)
+                    assert await redis_index.lookup(m, probe) == want, (step, op, probe)
+    finally:
+        await redis_index.close()
+
+
+async def test_two_redis_clients_share_one_index(redis_server: RedisServer) -> None:
+    a = RedisIndex.from_url(redis_server.url)
+    b = RedisIndex.from_url(redis_server.url)
+    try:
+        await a.add(MODEL, "r1", [1, 2, 3])
+        await b.record(MODEL, "r2", [1, 2], ttl_s=60)
+        assert await a.lookup(MODEL, [1, 2, 3]) == {"r1": 3, "r2": 2}
+        assert await b.lookup(MODEL, [1, 2, 3]) == {"r1": 3, "r2": 2}
+        await b.clear_replica("r1")
+        assert await a.lookup(MODEL, [1, 2, 3]) == {"r2": 2}
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_redis_holds_no_keys_once_entries_are_gone(redis_server: RedisServer) -> None:
+    index = RedisIndex.from_url(redis_server.url)
+    try:
+        await index.add(MODEL, "r1", [1, 2, 3])
+        await index.add(f"{MODEL}@sql", "r1", [4, 5])
+        await index.add(MODEL, "r2", [1])
+        await index.remove(MODEL, "r2", [1])
+        await index.clear_replica("r1")
+        # Only r2's list of model scopes (one small set per replica) is left.
+        assert await index.client.keys("*") == [b"cr:rm:r2"]
+        await index.clear_replica("r2")
+        assert await index.client.dbsize() == 0
+        await index.record(MODEL, "r3", list(range(1, 100)), ttl_s=0.2)
+        assert await index.client.dbsize() > 0
+
+        async def all_expired() -> bool:
+            return int(await index.client.dbsize()) == 0
+
+        # Redis expires the keys by itself: nothing needs to write or sweep.
+        await eventually(all_expired)
+    finally:
+        await index.close()
+
+
+async def test_a_block_key_outlives_no_entry_once_its_permanent_holder_leaves(
+    redis_server: RedisServer,
+) -> None:
+    index = RedisIndex.from_url(redis_server.url)
+    try:
+        await index.add(MODEL, "events", [1])  # no expiry: the key persists
+        await index.record(MODEL, "recorded", [1], ttl_s=60)
+        key = index.block_key(MODEL, 1)
+        assert await index.client.pttl(key) == -1
+        await index.remove(MODEL, "events", [1])
+        assert 0 < await index.client.pttl(key) <= 60_000
+        await index.add(MODEL, "events", [1])
+        await index.clear_replica("events")
+        assert 0 < await index.client.pttl(key) <= 60_000
+        assert await index.lookup(MODEL, [1]) == {"recorded": 1}
+    finally:
+        await index.close()
+
+
+async def test_redis_down_raises_index_unavailable_within_the_deadline(
+    redis_server: RedisServer,
+) -> None:
+    index = RedisIndex.from_url(redis_server.url)
+    try:
+        await index.add(MODEL, "r1", [1, 2])
+        assert await index.lookup(MODEL, [1, 2]) == {"r1": 2}
+        redis_server.stop()
+        started = time.monotonic()
+        with pytest.raises(IndexUnavailable):
+            await index.lookup(MODEL, [1, 2], deadline_s=0.5)
+        assert time.monotonic() - started < 1.0
+        with pytest.raises(IndexUnavailable):
+            await index.add(MODEL, "r1", [3])
+        with pytest.raises(IndexUnavailable):
+            await index.clear_replica("r1")
+
+        redis_server.start()  # same port, empty: scripts must be loaded again
+
+        async def reconnected() -> bool:
+            try:
+                await index.add(MODEL, "r1", [1, 2])
+                return await index.lookup(MODEL, [1, 2]) == {"r1": 2}
+            except IndexUnavailable:
+                return False
+
+        await eventually(reconnected)
+    finally:
+        await index.close()
+
+
+async def test_hung_redis_lookup_hits_the_callers_deadline(redis_server: RedisServer) -> None:
+    index = RedisIndex.from_url(redis_server.url, socket_timeout_s=5)
+    assert redis_server.proc is not None
+    try:
+        await index.add(MODEL, "r1", [1])
+        # A stopped process keeps its socket open but never answers: a real hung Redis.
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(IndexUnavailable, match="deadline"):
+                await index.lookup(MODEL, [1], deadline_s=0.1)
+            assert time.monotonic() - started < 0.5
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        assert await index.lookup(MODEL, [1]) == {"r1": 1}
+    finally:
+        await index.close()
+
+
+async def test_near_cache_answers_repeats_and_sees_its_own_writes_at_once(
+    redis_server: RedisServer,
+) -> None:
+    shared = RedisIndex.from_url(redis_server.url)
+    near = NearCache(RedisIndex.from_url(redis_server.url), ttl_s=0.3)
+    try:
+        await near.add(MODEL, "r1", [1, 2])
+        assert await near.lookup(MODEL, [1, 2]) == {"r1": 2}
+        assert await near.lookup(MODEL, [1, 2]) == {"r1": 2}
+        assert (near.hits, near.misses) == (1, 1)
+        await near.remove(MODEL, "r1", [2])  # a write through the cache: seen at once
+        assert await near.lookup(MODEL, [1, 2]) == {"r1": 1}
+        await near.record(MODEL, "r2", [1, 2], ttl_s=60)
+        assert await near.lookup(MODEL, [1, 2]) == {"r1": 1, "r2": 2}
+        await near.clear_replica("r2")
+        assert await near.lookup(MODEL, [1, 2]) == {"r1": 1}
+        # Another process's write is served stale until the entry's ttl runs out.
+        await shared.add(MODEL, "r3", [1, 2])
+        assert await near.lookup(MODEL, [1, 2]) == {"r1": 1}
+
+        async def sees_other_writer() -> bool:
+            return await near.lookup(MODEL, [1, 2]) == {"r1": 1, "r3": 2}
+
+        await eventually(sees_other_writer, deadline_s=5)
+    finally:
+        await near.close()
+        await shared.close()
+
+
+def test_open_index_names_its_backend() -> None:
+    assert isinstance(open_index("memory"), MemoryIndex)
+    assert isinstance(open_index("redis://127.0.0.1:1/0"), RedisIndex)
+    with pytest.raises(ValueError, match="memory"):
+        open_index("mysql://x")
