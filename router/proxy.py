@@ -1,0 +1,495 @@
+"""Forwarding and streaming: timeouts, failover before the first byte, clean mid-stream errors.
+
+The rule that shapes this module: a request may move to another replica only while the
+client has seen nothing. So a streamed response is held until its first *content* token
+(vLLM's first chunk carries only the assistant role and arrives before the model has
+produced anything; a replica that dies on its first token would otherwise have
+committed us to it). Until then every failure (connect error, 5xx, reset, first-token
+timeout) is retryable on the next replica in the decision's ranking, within a retry
+budget. After the first byte nothing is retried: the stream ends with a well-formed SSE
+error event and `data: [DONE]`.
+
+Timeouts are explicit and there is no total timeout (it would cut long generations):
+connect, first token (request sent -> first content event), and idle (between events).
+A non-streamed response shows no tokens until it is done, so its deadline is the first-
+token timeout plus the idle timeout per requested token: what a replica that keeps
+producing tokens could take.
+
+The upstream response is closed the moment the client goes away (a write fails, or
+aiohttp cancels the handler: the gateway runs with handler_cancellation on), which drops
+the connection and makes vLLM abort the request instead of generating for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from router.metrics import GatewayMetrics
+from router.replicas import Fleet, Replica
+
+log = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+_MAX_ERROR_BODY = 64 * 1024
+
+
+def error_payload(message: str, err_type: str, *, param: str | None = None,
+                  code: int | str | None = None) -> dict[str, Any]:
+    """An OpenAI-style error object."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def json_error(status: int, message: str, err_type: str, *, param: str | None = None,
+               headers: Mapping[str, str] | None = None) -> web.Response:
+    """An OpenAI-style JSON error response."""
+    return web.json_response(error_payload(message, err_type, param=param, code=status),
+                             status=status, headers=headers)
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    """Timeouts and retry parameters (from the config's proxy section)."""
+
+    connect_timeout_s: float = 2.0
+    first_token_timeout_s: float = 30.0
+    idle_timeout_s: float = 30.0
+    max_retries: int = 2
+    retry_budget_ratio: float = 0.2
+    hold_until_content: bool = True
+    min_retry_budget: int = 3  # retries allowed at once even with few requests in flight
+    backoff_base_s: float = 0.01
+    backoff_max_s: float = 0.2
+
+
+class RetryBudget:
+    """Retries in progress may not exceed a share of the requests in flight.
+
+    Under a fleet-wide failure every request would otherwise retry and multiply the
+    load on whatever still works; the floor keeps retries possible at low traffic.
+    """
+
+    def __init__(self, ratio: float, minimum: int) -> None:
+        self.ratio = ratio
+        self.minimum = minimum
+        self.inflight = 0
+        self.retrying = 0
+
+    def try_acquire(self) -> bool:
+        if self.retrying >= max(self.minimum, int(self.ratio * self.inflight)):
+            return False
+        self.retrying += 1
+        return True
+
+    def release(self) -> None:
+        self.retrying -= 1
+
+
+@dataclass
+class UpstreamRequest:
+    """What to send upstream and how the client wanted the answer shaped."""
+
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    stream: bool
+    client_wants_usage: bool = True
+    strip_token_ids: bool = False  # the gateway asked for return_token_ids, not the client
+    max_tokens: int | None = None
+    payload: bytes | None = None  # `body` already serialized (off the loop, for long prompts)
+
+
+@dataclass
+class ProxyOutcome:
+    """What happened to one forwarded request, for recording."""
+
+    replica_id: str | None = None
+    status: int = 0
+    attempts: int = 0
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    output_token_ids: list[int] | None = None
+    completed: bool = False
+    client_disconnected: bool = False
+    error: str | None = None
+    first_byte_at: float | None = None  # time.perf_counter() when the client got a byte
+    failures: list[tuple[str, str]] = field(default_factory=list)  # (replica, reason)
+
+
+class UpstreamFailure(Exception):
+    """An attempt failed before any byte reached the client; safe to retry elsewhere."""
+
+    def __init__(self, reason: str, detail: str, status: int = 502) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+        self.status = status
+
+
+class _SSEReader:
+    """Splits an upstream byte stream into SSE events (each ending in a blank line)."""
+
+    def __init__(self, content: aiohttp.StreamReader) -> None:
+        self._content = content
+        self._buf = b""
+
+    async def next_event(self) -> bytes | None:
+        """The next raw event including its terminator, or None at a clean end of stream."""
+        while True:
+            for sep in (b"\n\n", b"\r\n\r\n"):
+                pos = self._buf.find(sep)
+                if pos != -1:
+                    event, self._buf = self._buf[: pos + len(sep)], self._buf[pos + len(sep):]
+                    return event
+            chunk = await self._content.readany()
+            if not chunk:
+                if self._buf.strip():
+                    # The connection ended mid-event: not a clean end.
+                    raise aiohttp.ClientPayloadError("upstream closed mid-event")
+                return None
+            self._buf += chunk
+
+
+def _event_data(event: bytes) -> bytes:
+    """The concatenated data lines of one SSE event."""
+    lines = [line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:")]
+    return b"\n".join(lines)
+
+
+def _has_content(chunk: dict[str, Any]) -> bool:
+    """Whether a streamed chunk carries generated output (not just the role)."""
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta")
+        if delta is not None:
+            if delta.get("content") or delta.get("tool_calls") or delta.get("reasoning") or \
+                    delta.get("reasoning_content"):
+                return True
+        elif choice.get("text"):
+            return True
+        if choice.get("finish_reason") is not None or choice.get("token_ids"):
+            return True
+    return False
+
+
+@dataclass
+class _StreamState:
+    """Per-response bookkeeping while relaying chunks."""
+
+    up: UpstreamRequest
+    outcome: ProxyOutcome
+    token_ids: list[int] = field(default_factory=list)
+    saw_token_ids: bool = False
+
+    def take_usage(self, usage: Mapping[str, Any] | None) -> None:
+        if not usage:
+            return
+        self.outcome.prompt_tokens = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")
+        if cached is not None:
+            self.outcome.cached_tokens = int(cached)
+
+    def process(self, event: bytes) -> tuple[bytes | None, bool]:
+        """(bytes to send or None to drop, whether it carries content). Unchanged unless
+        it is the usage chunk the client did not ask for or carries token ids we asked for."""
+        data = _event_data(event)
+        if not data or data == b"[DONE]" or not data.startswith(b"{"):
+            return event, False
+        needs_parse = b'"usage"' in data or b'"choices"' in data
+        if not needs_parse:
+            return event, False
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return event, False
+        if not isinstance(chunk, dict):
+            return event, False
+        if "error" in chunk:
+            return event, True
+        self.take_usage(chunk.get("usage"))
+        content = _has_content(chunk)
+        changed = False
+        for choice in chunk.get("choices") or ():
+            ids = choice.get("token_ids")
+            if ids is not None and choice.get("index", 0) == 0:
+                self.token_ids.extend(int(t) for t in ids)
+                self.saw_token_ids = True
+            if self.up.strip_token_ids and "token_ids" in choice:
+                del choice["token_ids"]
+                changed = True
+        if self.up.strip_token_ids and "prompt_token_ids" in chunk:
+            del chunk["prompt_token_ids"]
+            changed = True
+        if not self.up.client_wants_usage and chunk.get("usage"):
+            if not chunk.get("choices"):
+                return None, False  # the usage-only chunk the gateway added
+            chunk["usage"] = None
+            changed = True
+        if changed:
+            return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n", content
+        return event, content
+
+
+class Forwarder:
+    """Sends a routed request to the ranked replicas in turn and relays the answer."""
+
+    def __init__(self, session: aiohttp.ClientSession, fleet: Fleet, settings: ProxySettings,
+                 metrics: GatewayMetrics, rng: random.Random | None = None) -> None:
+        self._session = session
+        self._fleet = fleet
+        self.settings = settings
+        self._metrics = metrics
+        self._rng = rng or random.Random()
+        self.budget = RetryBudget(settings.retry_budget_ratio, settings.min_retry_budget)
+
+    async def forward(self, request: web.Request, up: UpstreamRequest,
+                      ranked: Sequence[Replica],
+                      response_headers: Callable[[Replica], dict[str, str]] | None = None,
+                      ) -> tuple[web.StreamResponse, ProxyOutcome]:
+        """Try `ranked` in order (at most 1 + max_retries attempts) and answer the client."""
+        outcome = ProxyOutcome()
+        self.budget.inflight += 1
+        retrying = False
+        try:
+            last: UpstreamFailure | None = None
+            for replica in ranked[: 1 + self.settings.max_retries]:
+                if outcome.attempts > 0:
+                    if retrying:
+                        self.budget.release()
+                        retrying = False
+                    if not self.budget.try_acquire():
+                        self._metrics.record_retry_budget_exhausted()
+                        break
+                    retrying = True
+                    self._metrics.record_retry(*outcome.failures[-1])
+                    await asyncio.sleep(self._backoff(outcome.attempts))
+                outcome.attempts += 1
+                outcome.replica_id = replica.replica_id
+                headers = response_headers(replica) if response_headers else {}
+                try:
+                    return await self._attempt(request, up, replica, outcome, headers)
+                except UpstreamFailure as failure:
+                    last = failure
+                    outcome.failures.append((replica.replica_id, failure.reason))
+                    self._metrics.record_upstream_failure(replica.replica_id, failure.reason)
+                    if self._fleet.report_failure(replica, failure.reason):
+                        self._metrics.record_ejection(replica.replica_id)
+                    log.warning("attempt %d on %s failed before the first byte: %s",
+                                outcome.attempts, replica.replica_id, failure)
+            if last is None:
+                outcome.status = 503
+                outcome.error = "no replica available"
+                return json_error(503, "no healthy replica serves this model",
+                                  "service_unavailable"), outcome
+            outcome.status = last.status
+            outcome.error = str(last)
+            return json_error(last.status, f"upstream failed after {outcome.attempts} "
+                              f"attempt(s): {last}", "upstream_error"), outcome
+        finally:
+            if retrying:
+                self.budget.release()
+            self.budget.inflight -= 1
+
+    def _backoff(self, attempt: int) -> float:
+        """Full-jitter exponential backoff, so retries from many requests spread out."""
+        cap = min(self.settings.backoff_max_s, self.settings.backoff_base_s * (2 ** attempt))
+        return self._rng.uniform(0, cap)
+
+    async def _attempt(self, request: web.Request, up: UpstreamRequest, replica: Replica,
+                       outcome: ProxyOutcome, headers: dict[str, str],
+                       ) -> tuple[web.StreamResponse, ProxyOutcome]:
+        s = self.settings
+        timeout = aiohttp.ClientTimeout(total=None, connect=s.connect_timeout_s,
+                                        sock_connect=s.connect_timeout_s)
+        if up.stream:
+            deadline = s.first_token_timeout_s
+        else:
+            deadline = s.first_token_timeout_s + s.idle_timeout_s * max(1, up.max_tokens or 1)
+        replica.inflight += 1
+        resp: aiohttp.ClientResponse | None = None
+        handed_over = False
+        try:
+            state = _StreamState(up, outcome)
+            held: list[bytes] = []
+            reader: _SSEReader | None = None
+            try:
+                async with asyncio.timeout(deadline):
+                    if up.payload is not None:
+                        resp = await self._session.post(
+                            replica.base_url + up.path, data=up.payload, headers=up.headers,
+                            timeout=timeout)
+                    else:
+                        resp = await self._session.post(
+                            replica.base_url + up.path, json=up.body, headers=up.headers,
+                            timeout=timeout)
+                    if resp.status >= 500:
+                        text = (await resp.content.read(_MAX_ERROR_BODY)).decode(errors="replace")
+                        raise UpstreamFailure("status_5xx", f"HTTP {resp.status}: {text[:200]}")
+                    if resp.status >= 400 or not up.stream:
+                        payload = await resp.read()
+                    else:
+                        reader = _SSEReader(resp.content)
+                        while True:
+                            event = await reader.next_event()
+                            if event is None:
+                                raise UpstreamFailure("reset", "stream ended before any content")
+                            out, content = state.process(event)
+                            if out is not None:
+                                held.append(out)
+                            if content or not s.hold_until_content:
+                                break
+            except TimeoutError as exc:
+                if resp is None:
+                    raise UpstreamFailure("connect", "connect or headers timed out", 504) from exc
+                raise UpstreamFailure("first_token_timeout",
+                                      f"no first token within {deadline:.1f}s", 504) from exc
+            except aiohttp.ClientConnectorError as exc:
+                raise UpstreamFailure("connect", str(exc)) from exc
+            except (aiohttp.ClientError, ConnectionError) as exc:
+                raise UpstreamFailure("reset", f"{type(exc).__name__}: {exc}") from exc
+
+            self._fleet.report_success(replica)
+            outcome.status = resp.status
+            if reader is None:
+                outcome.completed = resp.status < 400
+                outcome.first_byte_at = time.perf_counter()
+                return self._plain_response(resp, payload, state, headers), outcome
+            response = web.StreamResponse(status=resp.status, headers={
+                "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache", **headers})
+            await self._relay(request, response, resp, reader, held, state, replica)
+            handed_over = True
+            return response, outcome
+        finally:
+            replica.inflight -= 1
+            if resp is not None and not (handed_over and outcome.completed):
+                # Dropping the connection is how vLLM learns to abort the request.
+                resp.close()
+            elif resp is not None:
+                resp.release()
+            if state.saw_token_ids:
+                outcome.output_token_ids = state.token_ids
+
+    def _plain_response(self, resp: aiohttp.ClientResponse, payload: bytes,
+                        state: _StreamState, headers: dict[str, str]) -> web.Response:
+        body = payload
+        if resp.status < 400:
+            try:
+                data = json.loads(payload)
+            except ValueError:
+                data = None
+            if isinstance(data, dict):
+                state.take_usage(data.get("usage"))
+                changed = False
+                for choice in data.get("choices") or ():
+                    ids = choice.get("token_ids")
+                    if ids is not None and choice.get("index", 0) == 0:
+                        state.token_ids.extend(int(t) for t in ids)
+                        state.saw_token_ids = True
+                    if state.up.strip_token_ids and "token_ids" in choice:
+                        del choice["token_ids"]
+                        changed = True
+                if state.up.strip_token_ids and "prompt_token_ids" in data:
+                    del data["prompt_token_ids"]
+                    changed = True
+                if changed:
+                    body = json.dumps(data, separators=(",", ":")).encode()
+        return web.Response(status=resp.status, body=body, headers={
+            "Content-Type": resp.headers.get("Content-Type", "application/json"), **headers})
+
+    async def _relay(self, request: web.Request, response: web.StreamResponse,
+                     resp: aiohttp.ClientResponse, reader: _SSEReader, held: list[bytes],
+                     state: _StreamState, replica: Replica) -> None:
+        """Send the held events, then every further event as it arrives."""
+        outcome = state.outcome
+        try:
+            await response.prepare(request)
+            outcome.first_byte_at = time.perf_counter()
+            for event in held:
+                await response.write(event)
+            async for event in self._events_after_commit(reader, state, replica):
+                await response.write(event)
+            outcome.completed = outcome.error is None
+            with contextlib.suppress(ConnectionError):
+                await response.write_eof()
+        except (ConnectionError, aiohttp.ClientConnectionResetError):
+            outcome.client_disconnected = True
+            self._metrics.record_client_disconnect()
+            log.info("client went away; closing the upstream request on %s", replica.replica_id)
+        except asyncio.CancelledError:
+            # aiohttp cancels the handler when the client disconnects.
+            outcome.client_disconnected = True
+            self._metrics.record_client_disconnect()
+            raise
+
+    async def _events_after_commit(self, reader: _SSEReader, state: _StreamState,
+                                   replica: Replica) -> AsyncIterator[bytes]:
+        """Upstream events after the first byte; a failure now ends the stream with an
+        SSE error event, because the client has already seen part of the answer."""
+        while True:
+            try:
+                async with asyncio.timeout(self.settings.idle_timeout_s):
+                    event = await reader.next_event()
+            except TimeoutError:
+                reason, detail = "idle_timeout", f"no data for {self.settings.idle_timeout_s:.1f}s"
+            except (aiohttp.ClientError, ConnectionError) as exc:
+                reason, detail = "reset", f"{type(exc).__name__}: {exc}"
+            else:
+                if event is None:
+                    return
+                out, _ = state.process(event)
+                if out is not None:
+                    yield out
+                continue
+            state.outcome.error = f"{reason}: {detail}"
+            self._metrics.record_upstream_failure(replica.replica_id, reason)
+            if self._fleet.report_failure(replica, reason):
+                self._metrics.record_ejection(replica.replica_id)
+            log.warning("upstream %s failed mid-stream: %s", replica.replica_id, detail)
+            err = error_payload(f"upstream replica failed mid-stream ({reason})",
+                                "upstream_error", code=502)
+            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+            yield DONE
+            return
+
+
+# Body fields that change how /tokenize renders a prompt (vLLM's TokenizeRequest).
+_TOKENIZE_FIELDS = ("model", "messages", "prompt", "add_generation_prompt",
+                    "continue_final_message", "add_special_tokens", "chat_template",
+                    "chat_template_kwargs", "tools", "mm_processor_kwargs")
+
+
+async def remote_tokenize(session: aiohttp.ClientSession, replica: Replica,
+                          body: Mapping[str, Any], deadline_s: float) -> list[int] | None:
+    """The prompt's token ids as the replica itself renders them (its /tokenize).
+
+    For proxy.tokenize_mode "remote": exact by construction (the replica's own template
+    and tokenizer), at the price of one round trip. None when the replica cannot answer
+    within the deadline; the request then routes on load alone.
+    """
+    payload = {k: body[k] for k in _TOKENIZE_FIELDS if k in body}
+    if isinstance(payload.get("prompt"), list) and payload["prompt"] and \
+            not isinstance(payload["prompt"][0], int):
+        payload["prompt"] = payload["prompt"][0]  # a batch: its first prompt, as routed
+    try:
+        async with session.post(f"{replica.base_url}/tokenize", json=payload,
+                                timeout=aiohttp.ClientTimeout(total=deadline_s)) as resp:
+            if resp.status != 200:
+                log.info("remote tokenize on %s: HTTP %d", replica.replica_id, resp.status)
+                return None
+            data = await resp.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+        log.info("remote tokenize on %s failed: %s", replica.replica_id, exc)
+        return None
+    tokens = data.get("tokens") if isinstance(data, dict) else None
+    return [int(t) for t in tokens] if isinstance(tokens, list) else None

@@ -1,0 +1,559 @@
+"""The fleet: which replicas exist, whether they are fit to serve, and how loaded they are.
+
+Discovery: a replica entry is a static URL or a DNS name (host:port) that resolves to
+every address behind it (a Kubernetes headless Service answers with one A record per
+ready pod); names are re-resolved periodically and replicas appear and disappear with
+their addresses. A failed resolution keeps the last known set: a DNS hiccup must not
+empty the fleet.
+
+Fitness has three inputs:
+- active health checks (GET /health with a deadline),
+- passive outlier detection: consecutive failed attempts (connect error, 5xx, reset,
+  first-token timeout) eject a replica for an exponentially growing time. A replica
+  that stalls counts as failing even while its /health answers 200, because the proxy
+  reports the stall. Ejection never takes the last available replica of a model: a
+  fleet that is all "ejected" would fail every request instead of most.
+- load, scraped from the replica's /metrics (vllm:num_requests_running / waiting /
+  kv_cache_usage_perc) plus the gateway's own count of requests it has in flight there,
+  which is fresh when the scrape is not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from router.handshake import HandshakeResult, Probe, compare, make_probe
+from router.hashing import HashConfig, chain_hashes, event_key
+from router.index import IndexUnavailable, PrefixIndex
+from router.policy.types import PrefillProfile
+
+log = logging.getLogger(__name__)
+
+_MISMATCHES_TO_DOUBT = 3
+
+_VLLM_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
+
+
+@dataclass(frozen=True)
+class ReplicaSource:
+    """One configured replica entry: a static URL or a DNS name standing for many.
+
+    A static replica's id is its configured name (by default the URL's host:port); a
+    DNS-discovered one's is "address:port". The indexer process names replicas the
+    same way, so ids written to a shared index by either agree.
+    """
+
+    name: str
+    models: tuple[str, ...]  # empty: every model the replica reports
+    hash_config: HashConfig
+    url: str | None = None
+    dns: str | None = None  # "host:port"; every address it resolves to is a replica
+    scheme: str = "http"
+    kv_events: str | None = None  # may contain "{host}", filled per resolved address
+    kv_replay: str | None = None
+    max_concurrency: int | None = None
+    prefill: PrefillProfile | None = None
+
+    def target(self, host: str | None = None, port: int | None = None) -> ReplicaTarget:
+        """The replica at one address of this source (the URL itself for a static one)."""
+        if host is None or port is None:
+            assert self.url is not None
+            base = self.url.rstrip("/")
+            host = urlsplit(base).hostname or ""
+            replica_id = self.name
+        else:
+            base = f"{self.scheme}://{_host_for_url(host)}:{port}"
+            replica_id = f"{_host_for_url(host)}:{port}"
+
+        def fill(template: str | None) -> str | None:
+            return template.replace("{host}", host) if template else None
+
+        return ReplicaTarget(
+            replica_id=replica_id, base_url=base, models=self.models,
+            hash_config=self.hash_config, kv_events=fill(self.kv_events),
+            kv_replay=fill(self.kv_replay), max_concurrency=self.max_concurrency,
+            source=self.name, prefill=self.prefill,
+        )
+
+
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+@dataclass(frozen=True)
+class ReplicaTarget:
+    """One replica address and what it serves; its id is its base URL."""
+
+    replica_id: str
+    base_url: str
+    models: tuple[str, ...]
+    hash_config: HashConfig
+    kv_events: str | None
+    kv_replay: str | None
+    max_concurrency: int | None
+    source: str
+    prefill: PrefillProfile | None = None
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    """Active and passive health parameters (from the config's health section)."""
+
+    interval_s: float = 5.0
+    timeout_s: float = 2.0
+    eject_after_failures: int = 3
+    eject_base_s: float = 5.0
+    eject_max_s: float = 120.0
+    scrape_interval_s: float = 2.0
+    dns_interval_s: float = 10.0
+
+
+@dataclass
+class Replica:
+    """A replica's live state; mutated only by the Fleet and the proxy's reports."""
+
+    target: ReplicaTarget
+    healthy: bool = False  # until the first health check answers
+    last_error: str = ""
+    consecutive_failures: int = 0
+    ejections: int = 0
+    ejected_until: float = 0.0
+    inflight: int = 0
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    scraped_at: float = 0.0
+    inflight_at_scrape: int = 0  # our own count when the scraped gauges were read
+    # Whether the gateway may trust its index matches for this replica: it computes the
+    # replica's keys from the configured settings (assumed), confirmed once the replica
+    # reports exactly the predicted cached tokens; see Fleet.record_prediction.
+    verified: bool = True
+    verification: str = "assumed"  # "assumed" | "handshake" | "confirmed" | "mismatch"
+    verification_detail: str = ""
+    zero_hits: int = 0  # consecutive responses with nothing cached though the index said so
+    mode: str = "record"  # "events" when its KV events feed the index
+    removed: bool = False
+    served_models: tuple[str, ...] = ()  # from its /v1/models, when not configured
+
+    def serves(self, model: str) -> bool:
+        if self.target.models:
+            return model in self.target.models
+        return not self.served_models or model in self.served_models
+
+    @property
+    def replica_id(self) -> str:
+        return self.target.replica_id
+
+    @property
+    def base_url(self) -> str:
+        return self.target.base_url
+
+    def outstanding(self) -> tuple[int, int]:
+        """(running, waiting) now: our exact in-flight count plus other clients' share of
+        the last scrape.
+
+        The scrape counts every gateway's requests but is up to a scrape interval old; a
+        burst of decisions between two scrapes would all see the same stale number (and
+        avoid a replica that has since drained). What the scrape saw beyond our own
+        in-flight requests at that moment is other clients' load; ours is known exactly.
+        """
+        scraped = int(self.running + self.waiting)
+        external = max(0, scraped - self.inflight_at_scrape)
+        total = self.inflight + external
+        waiting = min(int(self.waiting), total)
+        return total - waiting, waiting
+
+    def ejected(self, now: float) -> bool:
+        return now < self.ejected_until
+
+    def available(self, now: float) -> bool:
+        """Healthy and not ejected: eligible for new requests."""
+        return self.healthy and not self.ejected(now) and not self.removed
+
+    def describe(self, now: float) -> dict[str, object]:
+        """The replica's state as /ready reports it."""
+        if self.ejected(now):
+            state = "ejected"
+        elif self.healthy:
+            state = "healthy"
+        else:
+            state = "unhealthy"
+        return {
+            "id": self.replica_id, "state": state, "verified": self.verified,
+            "verification": self.verification,
+            "verification_detail": self.verification_detail, "mode": self.mode,
+            "models": list(self.target.models), "inflight": self.inflight,
+            "running": self.running, "waiting": self.waiting, "kv_usage": self.kv_usage,
+            "consecutive_failures": self.consecutive_failures, "last_error": self.last_error,
+            "ejected_for_s": round(max(0.0, self.ejected_until - now), 3),
+        }
+
+
+async def resolve_all(host: str, port: int) -> list[str]:
+    """Every distinct address a name resolves to, sorted (stable replica ids)."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
+def parse_prometheus_gauges(text: str, names: Iterable[str]) -> dict[str, float]:
+    """Sum the samples of the named metrics in Prometheus text (labels ignored)."""
+    wanted = set(names)
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name_end = len(line)
+        for sep in ("{", " "):
+            pos = line.find(sep)
+            if pos != -1:
+                name_end = min(name_end, pos)
+        name = line[:name_end]
+        if name not in wanted:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[-1]) if "}" not in line else float(
+                line[line.rindex("}") + 1 :].split()[0])
+        except (ValueError, IndexError):
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+@dataclass
+class _Listeners:
+    added: list[Callable[[Replica], None]] = field(default_factory=list)
+    removed: list[Callable[[Replica], None]] = field(default_factory=list)
+    ejected: list[Callable[[Replica], None]] = field(default_factory=list)
+    unhealthy: list[Callable[[Replica], None]] = field(default_factory=list)
+    healthy: list[Callable[[Replica], None]] = field(default_factory=list)
+
+
+class Fleet:
+    """The set of replicas, kept current by discovery, health checks and scrapes.
+
+    Owns its background tasks (start/close); borrows the ClientSession it is given.
+    """
+
+    def __init__(
+        self,
+        sources: Iterable[ReplicaSource],
+        health: HealthSettings,
+        session: aiohttp.ClientSession,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.sources = list(sources)
+        self.health = health
+        self._session = session
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._replicas: dict[str, Replica] = {}
+        self._dns_members: dict[str, list[str]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.listeners = _Listeners()
+
+    # -- queries -------------------------------------------------------------------
+
+    def all(self) -> list[Replica]:
+        return list(self._replicas.values())
+
+    def get(self, replica_id: str) -> Replica | None:
+        return self._replicas.get(replica_id)
+
+    def for_model(self, model: str) -> list[Replica]:
+        """Every known replica serving `model` (available or not)."""
+        return [r for r in self._replicas.values() if r.serves(model)]
+
+    def models(self) -> list[str]:
+        """The union of models the fleet serves, sorted."""
+        return sorted({m for r in self._replicas.values()
+                       for m in (r.target.models or r.served_models)})
+
+    def available(self, model: str | None = None) -> list[Replica]:
+        now = self._clock()
+        pool = self.for_model(model) if model is not None else self.all()
+        return [r for r in pool if r.available(now)]
+
+    def any_available(self) -> bool:
+        return bool(self.available())
+
+    def now(self) -> float:
+        return self._clock()
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Discover, check health once (so /ready is true as soon as it can be), then poll."""
+        await self.refresh_discovery()
+        await self.check_health()
+        await self.scrape()
+        self._tasks = [
+            asyncio.create_task(self._every(self.health.interval_s, self.check_health), name="health"),
+            asyncio.create_task(self._every(self.health.scrape_interval_s, self.scrape), name="scrape"),
+        ]
+        if any(s.dns for s in self.sources):
+            self._tasks.append(asyncio.create_task(
+                self._every(self.health.dns_interval_s, self.refresh_discovery), name="dns"))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+
+    async def _every(self, interval: float, job: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            # Jitter so many gateways do not probe the fleet in lock-step.
+            await asyncio.sleep(interval * (0.9 + 0.2 * self._rng.random()))
+            try:
+                await job()
+            except Exception:
+                log.exception("fleet background job %s failed", getattr(job, "__name__", job))
+
+    # -- discovery -----------------------------------------------------------------
+
+    async def refresh_discovery(self) -> None:
+        """Resolve DNS sources and add/remove replicas to match."""
+        wanted: dict[str, ReplicaTarget] = {}
+        for source in self.sources:
+            if source.url:
+                t = source.target()
+                wanted[t.replica_id] = t
+                continue
+            assert source.dns is not None
+            host, _, port_text = source.dns.rpartition(":")
+            port = int(port_text)
+            try:
+                addresses = await asyncio.wait_for(resolve_all(host, port), self.health.timeout_s)
+            except (OSError, TimeoutError) as exc:
+                addresses = self._dns_members.get(source.dns, [])
+                log.warning("resolving %s failed (%s); keeping %d known addresses",
+                            source.dns, exc, len(addresses))
+            self._dns_members[source.dns] = addresses
+            for address in addresses:
+                t = source.target(address, port)
+                wanted[t.replica_id] = t
+        for rid, target in wanted.items():
+            if rid not in self._replicas:
+                replica = Replica(target=target)
+                self._replicas[rid] = replica
+                log.info("replica %s added (from %s)", rid, target.source)
+                for cb in self.listeners.added:
+                    cb(replica)
+        for rid in [rid for rid in self._replicas if rid not in wanted]:
+            replica = self._replicas.pop(rid)
+            replica.removed = True
+            log.info("replica %s removed (no longer resolved)", rid)
+            for cb in self.listeners.removed:
+                cb(replica)
+
+    # -- active checks -------------------------------------------------------------
+
+    async def check_health(self) -> None:
+        """Probe every replica's /health concurrently, each with the health deadline."""
+        replicas = self.all()
+        results = await asyncio.gather(*(self._probe(r) for r in replicas))
+        for replica, (ok, error) in zip(replicas, results, strict=True):
+            if ok and not replica.healthy:
+                log.info("replica %s healthy", replica.replica_id)
+                if not replica.target.models and not replica.served_models:
+                    await self._learn_models(replica)
+                replica.healthy = True
+                for cb in self.listeners.healthy:
+                    cb(replica)
+            elif not ok and replica.healthy:
+                log.warning("replica %s failed its health check: %s", replica.replica_id, error)
+                for cb in self.listeners.unhealthy:
+                    cb(replica)
+            replica.healthy = ok
+            if error:
+                replica.last_error = error
+
+    async def _probe(self, replica: Replica) -> tuple[bool, str]:
+        timeout = aiohttp.ClientTimeout(total=self.health.timeout_s)
+        try:
+            async with self._session.get(f"{replica.base_url}/health", timeout=timeout) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    return True, ""
+                return False, f"/health answered {resp.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            return False, f"/health: {type(exc).__name__}: {exc}"
+
+    async def _learn_models(self, replica: Replica) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.health.timeout_s)
+        try:
+            async with self._session.get(f"{replica.base_url}/v1/models", timeout=timeout) as resp:
+                data = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            log.debug("reading %s/v1/models failed: %s", replica.replica_id, exc)
+            return
+        if isinstance(data, dict):
+            replica.served_models = tuple(
+                str(m["id"]) for m in data.get("data") or () if isinstance(m, dict) and "id" in m)
+
+    async def scrape(self) -> None:
+        """Read each healthy replica's load gauges from its /metrics."""
+        await asyncio.gather(*(self._scrape_one(r) for r in self.all() if r.healthy))
+
+    async def _scrape_one(self, replica: Replica) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.health.timeout_s)
+        try:
+            async with self._session.get(f"{replica.base_url}/metrics", timeout=timeout) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            log.debug("scraping %s failed: %s", replica.replica_id, exc)
+            return
+        values = parse_prometheus_gauges(text, _VLLM_GAUGES)
+        for metric, attr in _VLLM_GAUGES.items():
+            if metric in values:
+                setattr(replica, attr, values[metric])
+        replica.scraped_at = self._clock()
+        replica.inflight_at_scrape = replica.inflight
+
+    # -- passive outlier detection -------------------------------------------------
+
+    def report_success(self, replica: Replica) -> None:
+        """An attempt got its first token: the failure streak ends."""
+        replica.consecutive_failures = 0
+
+    def report_failure(self, replica: Replica, reason: str) -> bool:
+        """An attempt failed before its first token; returns True when this ejects it."""
+        replica.consecutive_failures += 1
+        replica.last_error = reason
+        now = self._clock()
+        if replica.consecutive_failures < self.health.eject_after_failures or replica.ejected(now):
+            return False
+        models = replica.target.models or replica.served_models
+        pool = [r for m in models for r in self.available(m)] if models else self.available()
+        others = [r for r in pool if r is not replica]
+        if not others:
+            # Never eject the last available replica of a model: failing some requests
+            # beats failing all of them.
+            log.warning("replica %s is failing (%s) but is the last available one; not ejecting",
+                        replica.replica_id, reason)
+            return False
+        backoff = min(self.health.eject_max_s,
+                      self.health.eject_base_s * (2 ** replica.ejections))
+        replica.ejections += 1
+        replica.ejected_until = now + backoff
+        replica.consecutive_failures = 0
+        log.warning("replica %s ejected for %.1fs after repeated failures (last: %s)",
+                    replica.replica_id, backoff, reason)
+        for cb in self.listeners.ejected:
+            cb(replica)
+        return True
+
+    def record_prediction(self, replica: Replica, predicted: int, actual: int) -> None:
+        """Confirm or doubt that the gateway computes this replica's block keys.
+
+        An exact non-zero match confirms it. Repeated responses with nothing cached where
+        the index predicted a hit mean the keys never meet (other block size, algorithm
+        or seed): matches for the replica stop being trusted until one is confirmed.
+        """
+        if predicted > 0 and actual == predicted:
+            replica.verification = "confirmed"
+            replica.verified = True
+            replica.zero_hits = 0
+        elif predicted > 0 and actual == 0:
+            replica.zero_hits += 1
+            if replica.zero_hits >= _MISMATCHES_TO_DOUBT and replica.verification != "confirmed":
+                if replica.verified:
+                    log.warning("replica %s reported no cached tokens for %d predicted hits: "
+                                "its block keys differ from the gateway's (block_size, "
+                                "hash_algo or hash_seed?)", replica.replica_id, replica.zero_hits)
+                replica.verification = "mismatch"
+                replica.verified = False
+
+    def describe(self) -> list[dict[str, object]]:
+        now = self._clock()
+        return [r.describe(now) for r in sorted(self.all(), key=lambda r: r.replica_id)]
+
+
+async def verify_keys(session: aiohttp.ClientSession, index: PrefixIndex, replica: Replica,
+                      model: str, within_s: float, probe_every_s: float = 1.0) -> bool:
+    """The hash handshake (router.handshake): does this replica key blocks as we do?
+
+    Sends a probe prompt with a unique cache_salt (so its blocks are new everywhere) and
+    waits for what the replica's KV events said about it: the observation the event
+    subscriber stored for the probe's salt (`index.get_probe`), compared key by key with
+    the gateway's own, which also names the setting that differs; or, failing that, the
+    index showing the replica holding the probe's blocks under the gateway's keys. A new
+    probe goes out every `probe_every_s`: a subscriber that connected after a probe's
+    events were published (ZMQ PUB/SUB drops them) sees the next one. Without a verdict
+    within `within_s` the replica's matches are not trusted (Replica.verified False).
+    """
+    config = replica.target.hash_config
+    timeout = aiohttp.ClientTimeout(total=min(within_s, 10.0))
+    deadline = time.monotonic() + within_s
+    probes: list[tuple[Probe, list[int]]] = []
+    verdict: HandshakeResult | None = None
+    while verdict is None and time.monotonic() < deadline:
+        probe = make_probe(config.block_size)
+        probes.append((probe, [event_key(k) for k in chain_hashes(
+            config, probe.token_ids, cache_salt=probe.cache_salt)]))
+        body = {"model": model, "prompt": list(probe.token_ids), "max_tokens": 1,
+                "cache_salt": probe.cache_salt}
+        try:
+            async with session.post(f"{replica.base_url}/v1/completions", json=body,
+                                    timeout=timeout) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    log.warning("hash handshake with %s: probe answered HTTP %d",
+                                replica.replica_id, resp.status)
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            log.warning("hash handshake with %s: probe failed (%s)", replica.replica_id, exc)
+        next_probe = min(deadline, time.monotonic() + probe_every_s)
+        while verdict is None and time.monotonic() < next_probe:
+            verdict = await _probe_verdict(index, model, replica, config, probes)
+            if verdict is None:
+                await asyncio.sleep(0.05)  # events arrive asynchronously; poll with a deadline
+    if verdict is None:
+        verdict = HandshakeResult(False, None, f"no KV events for the probe within {within_s:.1f}s "
+                                  "(is its kv_events endpoint reaching the index?)")
+    replica.verified = verdict.verified
+    replica.verification = "handshake" if verdict.verified else "mismatch"
+    replica.verification_detail = verdict.detail
+    if verdict.verified:
+        log.info("hash handshake with %s: %s", replica.replica_id, verdict.detail)
+    else:
+        log.warning("hash handshake with %s failed (%s): %s; its cache matches are ignored "
+                    "until it is fixed", replica.replica_id, verdict.mismatch or "no events",
+                    verdict.detail)
+    return verdict.verified
+
+
+async def _probe_verdict(index: PrefixIndex, model: str, replica: Replica, config: HashConfig,
+                         probes: list[tuple[Probe, list[int]]]) -> HandshakeResult | None:
+    for probe, keys in probes:
+        try:
+            observed = await index.get_probe(probe.cache_salt)
+            held = 0 if observed is not None else \
+                (await index.lookup(model, keys)).get(replica.replica_id, 0)
+        except (IndexUnavailable, OSError):
+            return None
+        if observed is not None:
+            return compare(probe, config, observed)
+        if held >= len(keys):
+            return HandshakeResult(True, None, f"{len(keys)} probe blocks indexed under our keys")
+    return None

@@ -1,0 +1,368 @@
+"""The gateway end to end: real sims as processes, real Redis, real HTTP on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from replica.fleet import AsyncSimFleet, free_port
+from router.index import RedisIndex
+from router.replicas import parse_prometheus_gauges
+
+from .conftest import (
+    GatewayClient,
+    ProcessGroup,
+    Reply,
+    gateway_config,
+    tenant_salt,
+    wait_indexed,
+    wait_until,
+)
+
+MODEL = "sim"
+
+
+def tokens(seed: int, n: int, vocab: int = 3000) -> list[int]:
+    """Random token ids within the tiny model's vocabulary (3,389 ids)."""
+    rng = random.Random(seed)
+    return [rng.randrange(10, vocab) for _ in range(n)]
+
+
+def completion(prompt: list[int], **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 4, "return_token_ids": True, **extra}
+
+
+def output_ids(reply: Reply) -> list[int]:
+    return [int(t) for t in reply.body["choices"][0]["token_ids"]]
+
+
+async def settle(gw: GatewayClient, reply: Reply, prompt: list[int], key: str = "sk-alpha",
+                 tenant: str = "alpha") -> None:
+    """Wait until the gateway's index has the KV events for what `reply` cached.
+
+    vLLM caches every full block of prompt + generated tokens except the last token's
+    (its KV is never computed); events reach the index asynchronously.
+    """
+    assert gw.app_gateway is not None and gw.app_gateway.index is not None
+    held = [*prompt, *output_ids(reply)][:-1]
+    await wait_indexed(gw.app_gateway.index, MODEL, reply.replica, held, tenant_salt(tenant))
+
+
+async def sim_gauge(session: aiohttp.ClientSession, url: str, name: str) -> float:
+    async with session.get(f"{url}/metrics") as resp:
+        return parse_prometheus_gauges(await resp.text(), [name]).get(name, 0.0)
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+@pytest.mark.parametrize("tokenize_mode", ["local", "remote"])
+async def test_multi_turn_chat_stays_on_the_replica_holding_its_history(
+        start_gateway: Any, tiny_model_dir: Path, tokenize_mode: str) -> None:
+    async with AsyncSimFleet(2, block_size=16, model_dir=tiny_model_dir,
+                             served_model_name=MODEL) as fleet:
+        # remote: the gateway has no tokenizer and asks a replica's /tokenize instead.
+        gw = await start_gateway(gateway_config(
+            fleet.replicas, model=MODEL, port=free_port(),
+            model_dir=tiny_model_dir if tokenize_mode == "local" else None,
+            proxy={"tokenize_mode": tokenize_mode}))
+        messages: list[dict[str, str]] = [
+            {"role": "system", "content": "You are a careful assistant. " * 30}]
+        seen: list[Reply] = []
+        for turn in range(5):
+            messages.append({"role": "user", "content": f"Question {turn}: " + "why? " * 20})
+            reply = await gw.post("/v1/chat/completions", {
+                "model": MODEL, "messages": messages, "max_tokens": 8, "return_token_ids": True})
+            assert reply.status == 200, reply.body
+            assert reply.predicted == reply.cached, (turn, reply.predicted, reply.cached)
+            seen.append(reply)
+            await settle(gw, reply, reply.body["prompt_token_ids"])
+            messages.append({"role": "assistant",
+                             "content": reply.body["choices"][0]["message"]["content"]})
+        assert len({r.replica for r in seen}) == 1
+        assert all(r.cached > 0 for r in seen[1:])
+        # The next turn resends the history: most of it is served from cache.
+        last = seen[-1].body["usage"]
+        assert last["prompt_tokens_details"]["cached_tokens"] > last["prompt_tokens"] // 2
+
+
+async def test_shared_system_prompt_spreads_while_each_user_keeps_its_replica(
+        start_gateway: Any) -> None:
+    users = 64
+    system = tokens(0, 4096)
+    async with AsyncSimFleet(4, block_size=16, num_blocks=40000, prefill_profile="unit",
+                             time_scale=50.0) as fleet:
+        gw = await start_gateway(gateway_config(fleet.replicas, model=MODEL, port=free_port()))
+        histories = {u: [*system, *tokens(1000 + u, 2048)] for u in range(users)}
+        placed: dict[int, list[str]] = {u: [] for u in range(users)}
+        for turn in range(3):
+            replies = await asyncio.gather(*(
+                gw.post("/v1/completions", completion(histories[u])) for u in range(users)))
+            for u, reply in enumerate(replies):
+                assert reply.status == 200, reply.body
+                placed[u].append(reply.replica)
+                histories[u] = [*histories[u], *output_ids(reply), *tokens(turn * 100 + u, 32)]
+        per_replica = Counter(r for rs in placed.values() for r in rs)
+        assert len(per_replica) == 4
+        mean = sum(per_replica.values()) / 4
+        assert max(per_replica.values()) / mean <= 1.3, per_replica
+        stuck = sum(1 for rs in placed.values() if len(set(rs)) == 1)
+        assert stuck == users, {u: rs for u, rs in placed.items() if len(set(rs)) > 1}
+
+
+async def test_predicted_cached_tokens_equal_reported_with_kv_events(start_gateway: Any) -> None:
+    async with AsyncSimFleet(2, block_size=16, num_blocks=4000) as fleet:
+        gw = await start_gateway(gateway_config(fleet.replicas, model=MODEL, port=free_port()))
+        shared = tokens(5, 200)
+        prompts = [shared, [*shared, *tokens(6, 50)], tokens(7, 100), [*shared[:100], 1, 2, 3],
+                   [*tokens(7, 100), *tokens(8, 77)], shared]
+        for prompt in prompts:
+            reply = await gw.post("/v1/completions", completion(prompt))
+            assert reply.status == 200, reply.body
+            assert reply.predicted == reply.cached, (len(prompt), reply.predicted, reply.cached)
+            await settle(gw, reply, prompt)
+        assert sum(r.cached for r in gw.replies) > 0
+        _, text = await gw.get("/metrics")
+        assert "cacheroute_cached_tokens_total" in text
+        assert "cacheroute_prediction_mismatches_total{" not in text
+
+
+async def test_tenants_with_different_salts_never_share(start_gateway: Any) -> None:
+    async with AsyncSimFleet(1, block_size=16) as fleet:
+        gw = await start_gateway(gateway_config(fleet.replicas, model=MODEL, port=free_port()))
+        prompt = tokens(9, 300)
+        first = await gw.post("/v1/completions", completion(prompt), key="sk-alpha")
+        await settle(gw, first, prompt)
+        beta = await gw.post("/v1/completions", completion(prompt), key="sk-beta")
+        assert beta.status == 200
+        assert beta.replica == first.replica  # one replica: same place, different salt
+        assert (beta.predicted, beta.cached) == (0, 0)
+        alpha = await gw.post("/v1/completions", completion(prompt), key="sk-alpha")
+        assert alpha.cached == alpha.predicted == 288
+        # A client may not pick another tenant's salt (or any salt) itself.
+        forged = await gw.post("/v1/completions",
+                               completion(prompt, cache_salt=tenant_salt("alpha")), key="sk-beta")
+        assert forged.status == 400 and forged.body["error"]["param"] == "cache_salt"
+
+
+async def test_replicas_without_events_are_recorded_from_what_was_sent(
+        start_gateway: Any) -> None:
+    async with AsyncSimFleet(3, block_size=16, kv_events=False) as fleet:
+        gw = await start_gateway(gateway_config(fleet.replicas, model=MODEL, port=free_port(),
+                                                events=False))
+        history = tokens(11, 150)
+        seen = []
+        for turn in range(4):
+            reply = await gw.post("/v1/completions", completion(history))
+            assert reply.status == 200
+            assert "token_ids" in reply.body["choices"][0]  # the client asked: not stripped
+            seen.append(reply)
+            history = [*history, *output_ids(reply), *tokens(20 + turn, 40)]
+        assert len({r.replica for r in seen}) == 1
+        # Prompt + generated blocks were recorded, so predictions match what vLLM reports.
+        assert [r.predicted for r in seen[1:]] == [r.cached for r in seen[1:]]
+        assert all(r.cached > 0 for r in seen[1:])
+        plain = await gw.post("/v1/completions", {"model": MODEL, "prompt": history,
+                                                  "max_tokens": 2})
+        assert "token_ids" not in plain.body["choices"][0]  # the gateway's own ask is hidden
+
+
+async def test_two_gateway_processes_on_one_redis_index_choose_as_one(
+        redis_server: Any, processes: ProcessGroup, http: aiohttp.ClientSession) -> None:
+    async with AsyncSimFleet(3, block_size=16, num_blocks=4000) as fleet:
+        raws = [gateway_config(fleet.replicas, model=MODEL, port=free_port(),
+                               index=redis_server.url) for _ in range(2)]
+        config_path = processes.write_config(raws[0], "indexer")
+        processes.spawn(["indexer", "--config", str(config_path), "--log-level", "WARNING"],
+                        "indexer")
+        urls = [processes.gateway(raw, f"gateway-{i}") for i, raw in enumerate(raws)]
+        gateways = [GatewayClient(url, http) for url in urls]
+        index = RedisIndex.from_url(redis_server.url)
+        try:
+            conversations = {c: tokens(300 + c, 1000) for c in range(6)}
+            homes: dict[int, set[str]] = {c: set() for c in conversations}
+            for turn in range(4):
+                for c, history in conversations.items():
+                    gw = gateways[(turn + c) % 2]  # alternate gateways turn by turn
+                    reply = await gw.post("/v1/completions", completion(history))
+                    assert reply.status == 200, reply.body
+                    assert reply.predicted == reply.cached, (c, turn)
+                    homes[c].add(reply.replica)
+                    held = [*history, *output_ids(reply)][:-1]
+                    await wait_indexed(index, MODEL, reply.replica, held, tenant_salt("alpha"))
+                    conversations[c] = [*history, *output_ids(reply), *tokens(turn, 24)]
+            assert all(len(h) == 1 for h in homes.values()), homes
+            assert len({next(iter(h)) for h in homes.values()}) > 1  # and they spread
+        finally:
+            await index.close()
+
+
+# -------------------------------------------------------------------------- streaming
+
+
+async def test_streaming_passes_chunks_and_client_disconnect_cancels_upstream(
+        start_gateway: Any, http: aiohttp.ClientSession, tiny_model_dir: Path) -> None:
+    # The tiny model's tokenizer gives the sim's tokens text, so chunks carry content.
+    async with AsyncSimFleet(1, block_size=16, prefill_profile="unit", time_scale=0.5,
+                             model_dir=tiny_model_dir, served_model_name=MODEL) as fleet:
+        gw = await start_gateway(gateway_config(fleet.replicas, model=MODEL, port=free_port()))
+        headers = {"Authorization": "Bearer sk-alpha", "x-request-id": "req-42",
+                   "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+        body = {"model": MODEL, "prompt": tokens(1, 40), "max_tokens": 3, "stream": True}
+        async with http.post(gw.url + "/v1/completions", json=body, headers=headers) as resp:
+            assert resp.status == 200
+            assert resp.headers["x-request-id"] == "req-42"
+            text = await resp.text()
+        chunks = [c[6:] for c in text.split("\n\n") if c.startswith("data: ")]
+        assert chunks[-1] == "[DONE]"
+        parsed = [json.loads(c) for c in chunks[:-1]]
+        assert all("usage" not in c or c["usage"] is None for c in parsed)  # not asked for
+        assert sum(1 for c in parsed if c["choices"] and c["choices"][0]["finish_reason"]) == 1
+
+        # A long generation the client abandons after its first chunk.
+        body = {**body, "max_tokens": 5000}
+        async with http.post(gw.url + "/v1/completions", json=body, headers=headers) as resp:
+            await resp.content.readuntil(b"\n\n")
+            assert await sim_gauge(http, fleet.urls[0], "vllm:num_requests_running") == 1
+            resp.close()
+
+        async def upstream_stopped() -> bool:
+            return await sim_gauge(http, fleet.urls[0], "vllm:num_requests_running") == 0
+
+        await wait_until(upstream_stopped, 5.0, "the sim to abort the abandoned request")
+        assert gw.app_gateway is not None
+        assert gw.app_gateway.fleet is not None
+        assert gw.app_gateway.fleet.all()[0].inflight == 0
+
+
+async def test_overload_answers_429_with_retry_after(
+        start_gateway: Any, http: aiohttp.ClientSession, tiny_model_dir: Path) -> None:
+    async with AsyncSimFleet(1, block_size=16, prefill_profile="unit", time_scale=0.5,
+                             model_dir=tiny_model_dir, served_model_name=MODEL) as fleet:
+        raw = gateway_config(fleet.replicas, model=MODEL, port=free_port(),
+                             limits={"global_concurrency": 1, "queue_size": 0})
+        gw = await start_gateway(raw)
+        body = {"model": MODEL, "prompt": tokens(1, 40), "max_tokens": 5000, "stream": True}
+        async with http.post(gw.url + "/v1/completions", json=body,
+                             headers={"Authorization": "Bearer sk-alpha"}) as held:
+            await held.content.readuntil(b"\n\n")
+            second = await gw.post("/v1/completions", completion(tokens(2, 40)))
+            assert second.status == 429
+            assert int(second.headers["retry-after"]) >= 1
+            assert second.body["error"]["type"] == "rate_limit_error"
+            held.close()
+
+
+# ------------------------------------------------------------------- the HTTP surface
+
+
+async def test_http_surface_errors_and_status(start_gateway: Any,
+                                              http: aiohttp.ClientSession) -> None:
+    async with AsyncSimFleet(2, block_size=16) as fleet:
+        raw = gateway_config(fleet.replicas, model=MODEL, port=free_port(),
+                             proxy={"max_body_bytes": 4096, "expose_routing_headers": False})
+        gw = await start_gateway(raw)
+        anonymous = await gw.post("/v1/completions", completion([1, 2, 3]), key="")
+        assert anonymous.status == 401
+        assert anonymous.body["error"]["type"] == "authentication_error"
+        wrong = await gw.post("/v1/completions", completion([1, 2, 3]), key="sk-nope")
+        assert wrong.status == 401
+
+        auth = {"Authorization": "Bearer sk-alpha", "Content-Type": "application/json"}
+        for raw_body, status in ((b"{broken", 400), (b"\xff\xfe", 400),
+                                 (json.dumps(completion(list(range(3000)))).encode(), 413)):
+            async with http.post(gw.url + "/v1/completions", data=raw_body, headers=auth) as r:
+                assert r.status == status
+                assert "message" in (await r.json())["error"]
+
+        unknown = await gw.post("/v1/completions", {**completion([1, 2]), "model": "nope"})
+        assert unknown.status == 404
+
+        ok = await gw.post("/v1/completions", completion(tokens(3, 40)))
+        assert ok.status == 200
+        assert "x-cacheroute-replica" not in ok.headers  # off by default: it tells what's cached
+        assert "x-request-id" in ok.headers
+
+        async with http.get(gw.url + "/v1/models", headers=auth) as r:
+            assert [m["id"] for m in (await r.json())["data"]] == [MODEL]
+        status, health = await gw.get("/health")
+        assert status == 200 and health == {"status": "ok"}
+        status, ready = await gw.get("/ready")
+        assert status == 200 and ready["ready"] is True
+        assert ready["index"]["status"] == "ok"
+        assert {r["state"] for r in ready["replicas"]} == {"healthy"}
+        assert {r["mode"] for r in ready["replicas"]} == {"events"}
+        status, metrics = await gw.get("/metrics")
+        assert "cacheroute_routed_requests_total" in metrics
+        assert "cacheroute_routing_decision_seconds_bucket" in metrics
+        assert "cacheroute_index_lookup_seconds_count" in metrics
+        for replica in fleet.replicas:
+            rid = replica.url.split("//")[1]
+            assert f'cacheroute_replica_available{{replica="{rid}"}} 1.0' in metrics
+            assert f'cacheroute_event_gaps_total{{replica="{rid}"}} 0.0' in metrics
+        assert "vllm:" not in metrics
+        status, spec = await gw.get("/openapi.json")
+        assert set(spec["paths"]) >= {"/v1/chat/completions", "/v1/completions", "/v1/models",
+                                      "/health", "/ready", "/metrics"}
+
+        fleet.kill(0)
+        fleet.kill(1)
+
+        async def unready() -> bool:
+            return (await gw.get("/ready"))[0] == 503
+
+        await wait_until(unready, 10.0, "/ready to report no healthy replica")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_replica_dying_is_retried_on_another(start_gateway: Any, stream: bool) -> None:
+    async with AsyncSimFleet(2, block_size=16) as fleet:
+        gw = await start_gateway(gateway_config(fleet.replicas, model=MODEL, port=free_port(),
+                                                health={"interval_s": 60}))
+        prompt = tokens(4, 100)
+        first = await gw.post("/v1/completions", completion(prompt))
+        await settle(gw, first, prompt)
+        home = fleet.urls.index(f"http://{first.replica}")
+        fleet.kill(home)  # health checks are slow here: only the proxy can notice
+        async with gw.session.post(gw.url + "/v1/completions",
+                                   json=completion(prompt, stream=stream),
+                                   headers={"Authorization": "Bearer sk-alpha"}) as resp:
+            assert resp.status == 200
+            assert resp.headers["x-cacheroute-replica"] != first.replica
+            text = await resp.text()
+        if stream:
+            assert text.endswith("data: [DONE]\n\n")
+        else:
+            assert json.loads(text)["usage"]["prompt_tokens"] == len(prompt)
+        _, metrics = await gw.get("/metrics")
+        assert f'cacheroute_retries_total{{reason="connect",replica="{first.replica}"}} 1.0' \
+            in metrics
+
+
+async def test_handshake_flags_a_replica_whose_keys_differ(start_gateway: Any) -> None:
+    async with AsyncSimFleet(2, block_size=16) as fleet:
+        raw = gateway_config(fleet.replicas, model=MODEL, port=free_port())
+        raw["replicas"][1]["hash_seed"] = "not-the-replicas-seed"
+        gw = await start_gateway(raw)
+
+        async def verdicts() -> dict[str, str]:
+            _, ready = await gw.get("/ready")
+            return {r["id"]: r["verification"] for r in ready["replicas"]}
+
+        async def decided() -> bool:
+            return set((await verdicts()).values()) <= {"handshake", "mismatch"}
+
+        await wait_until(decided, 20.0, "both handshakes to finish")
+        by_url = {f"http://{rid}": v for rid, v in (await verdicts()).items()}
+        assert by_url == {fleet.urls[0]: "handshake", fleet.urls[1]: "mismatch"}
+        _, ready = await gw.get("/ready")
+        flagged = [r for r in ready["replicas"] if r["verification"] == "mismatch"]
+        assert [r["verified"] for r in flagged] == [False]
+        assert "PYTHONHASHSEED" in flagged[0]["verification_detail"]  # the culprit, named

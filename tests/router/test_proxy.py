@@ -1,0 +1,436 @@
+"""The proxy against small real aiohttp upstreams on loopback that fail in controlled ways."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from replica.fleet import free_port
+from router.app import build_app, running_gateway
+from router.config import build_config
+from router.hashing import HashConfig
+from router.metrics import GatewayMetrics
+from router.proxy import Forwarder, ProxySettings, RetryBudget, UpstreamRequest
+from router.replicas import (
+    Fleet,
+    HealthSettings,
+    Replica,
+    ReplicaSource,
+    parse_prometheus_gauges,
+)
+from router.tenants import derive_salt
+
+Handler = Callable[["Upstream", web.Request], Awaitable[web.StreamResponse]]
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+ROLE = {"id": "c1", "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                     "finish_reason": None}]}
+
+
+def content(text: str, **extra: Any) -> dict[str, Any]:
+    return {"id": "c1", "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None, **extra}]}
+
+
+USAGE = {"id": "c1", "object": "chat.completion.chunk", "choices": [],
+         "usage": {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42,
+                   "prompt_tokens_details": {"cached_tokens": 32}}}
+
+
+@dataclass
+class Upstream:
+    """A loopback HTTP server standing in for a replica, with one behaviour."""
+
+    behaviour: Handler
+    name: str
+    hits: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    runner: web.AppRunner | None = None
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", _health)
+        app.router.add_post("/v1/chat/completions", self._handle)
+        # handler_cancellation: the upstream notices the gateway dropping the connection,
+        # as vLLM does (it aborts the request).
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        self.port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.hits += 1
+        self.bodies.append(await request.json())
+        self.headers.append({k.lower(): v for k, v in request.headers.items()})
+        try:
+            return await self.behaviour(self, request)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+    async def stop(self) -> None:
+        self.release.set()
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({})
+
+
+async def _stream(request: web.Request, *chunks: bytes) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for chunk in chunks:
+        await resp.write(chunk)
+    return resp
+
+
+async def ok_stream(up: Upstream, request: web.Request) -> web.StreamResponse:
+    resp = await _stream(request, sse(ROLE), sse(content(f"hello from {up.name}")),
+                         sse(content("!")), sse(USAGE), b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def ok_json(up: Upstream, request: web.Request) -> web.StreamResponse:
+    return web.json_response({
+        "id": "c1", "object": "chat.completion", "prompt_token_ids": [1, 2, 3],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": up.name},
+                     "finish_reason": "stop", "token_ids": [7, 8, 9]}],
+        "usage": USAGE["usage"]})
+
+
+async def fail_500(up: Upstream, request: web.Request) -> web.StreamResponse:
+    return web.json_response({"error": "boom"}, status=500)
+
+
+async def stall_after_role(up: Upstream, request: web.Request) -> web.StreamResponse:
+    resp = await _stream(request, sse(ROLE))
+    await up.release.wait()  # never set during the test: the first token never comes
+    return resp
+
+
+async def reset_after_first_token(up: Upstream, request: web.Request) -> web.StreamResponse:
+    resp = await _stream(request, sse(ROLE), sse(content("partial")))
+    assert request.transport is not None
+    request.transport.close()  # the replica dies mid-answer
+    return resp
+
+
+async def endless(up: Upstream, request: web.Request) -> web.StreamResponse:
+    resp = await _stream(request, sse(ROLE), sse(content("first")))
+    await up.release.wait()  # a long generation: holds the request until cancelled
+    return resp
+
+
+@dataclass
+class Harness:
+    """A gateway-shaped aiohttp app whose one route forwards to the upstreams in order."""
+
+    upstreams: list[Upstream]
+    fleet: Fleet
+    forwarder: Forwarder
+    metrics: GatewayMetrics
+    session: aiohttp.ClientSession
+    url: str
+    outcomes: list[Any]
+
+
+@pytest.fixture
+async def make_harness() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
+    cleanups: list[Callable[[], Awaitable[None]]] = []
+
+    async def build(*behaviours: Handler, dead_first: bool = False,
+                    **settings: Any) -> Harness:
+        upstreams = [Upstream(b, f"up{i}") for i, b in enumerate(behaviours)]
+        for up in upstreams:
+            await up.start()
+            cleanups.append(up.stop)
+        urls = [u.url for u in upstreams]
+        if dead_first:
+            urls.insert(0, f"http://127.0.0.1:{free_port()}")  # nothing listens there
+        session = aiohttp.ClientSession()
+        cleanups.append(session.close)
+        sources = [ReplicaSource(name=u.split("//")[1], url=u, models=("m",), hash_config=HashConfig())
+                   for u in urls]
+        fleet = Fleet(sources, HealthSettings(eject_after_failures=2), session)
+        await fleet.refresh_discovery()
+        for r in fleet.all():
+            r.healthy = True  # the dead one too: only the proxy may find out
+        metrics = GatewayMetrics()
+        defaults: dict[str, Any] = {"connect_timeout_s": 1.0, "first_token_timeout_s": 0.5,
+                                    "idle_timeout_s": 2.0, "backoff_base_s": 0.001}
+        forwarder = Forwarder(session, fleet, ProxySettings(**{**defaults, **settings}), metrics)
+        outcomes: list[Any] = []
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            stream = bool(body.get("stream"))
+            up = UpstreamRequest(path="/v1/chat/completions", body=body,
+                                 headers={"x-request-id": "rid-1"}, stream=stream,
+                                 client_wants_usage=bool(body.get("want_usage", not stream)),
+                                 strip_token_ids=bool(body.get("strip", False)), max_tokens=4)
+            ranked = [fleet.get(u.split("//")[1]) for u in urls]
+            resp, outcome = await forwarder.forward(
+                request, up, [r for r in ranked if r is not None],
+                lambda r: {"x-replica": r.replica_id})
+            outcomes.append(outcome)
+            return resp
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", handle)
+        runner = web.AppRunner(app, handler_cancellation=True)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        cleanups.append(runner.cleanup)
+        return Harness(upstreams, fleet, forwarder, metrics, session,
+                       f"http://127.0.0.1:{port}/v1/chat/completions", outcomes)
+
+    yield build
+    for cleanup in reversed(cleanups):
+        await cleanup()
+
+
+def events(text: str) -> list[Any]:
+    out = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def metric(h: Harness, name: str, **labels: str) -> float:
+    value = h.metrics.registry.get_sample_value(name, labels)
+    return value or 0.0
+
+
+async def post(h: Harness, body: dict[str, Any]) -> tuple[int, dict[str, str], str]:
+    async with h.session.post(h.url, json=body) as resp:
+        return resp.status, dict(resp.headers), await resp.text()
+
+
+async def test_stream_passes_through_and_strips_usage_the_client_did_not_ask_for(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    h = await make_harness(ok_stream)
+    status, headers, text = await post(h, {"stream": True})
+    assert status == 200
+    assert headers["x-replica"] == h.upstreams[0].url.split("//")[1]
+    got = events(text)
+    assert got == [ROLE, content("hello from up0"), content("!"), "[DONE]"]
+    outcome = h.outcomes[0]
+    assert (outcome.prompt_tokens, outcome.cached_tokens, outcome.completed) == (40, 32, True)
+    assert h.upstreams[0].headers[0]["x-request-id"] == "rid-1"
+
+    status, _, text = await post(h, {"stream": True, "want_usage": True})
+    assert events(text)[-2] == USAGE  # kept when the client asked for usage
+
+
+async def test_connect_refused_is_retried_on_the_next_replica(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    h = await make_harness(ok_stream, dead_first=True)
+    status, _, text = await post(h, {"stream": True})
+    assert status == 200
+    assert content("hello from up0") in events(text)
+    outcome = h.outcomes[0]
+    assert outcome.attempts == 2
+    assert outcome.failures[0][1] == "connect"
+    dead = outcome.failures[0][0]
+    assert metric(h, "cacheroute_retries_total", replica=dead, reason="connect") == 1
+
+
+async def test_5xx_is_retried_and_repeated_failures_eject(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    h = await make_harness(fail_500, ok_json)
+    for _ in range(2):
+        status, _, text = await post(h, {})
+        assert status == 200
+        assert json.loads(text)["choices"][0]["message"]["content"] == "up1"
+    bad = h.fleet.get(h.upstreams[0].url.split("//")[1])
+    assert bad is not None
+    assert bad.ejected(h.fleet.now())
+    assert metric(h, "cacheroute_ejections_total", replica=bad.replica_id) == 1
+    assert h.upstreams[0].hits == 2 and h.upstreams[1].hits == 2
+
+
+async def test_never_ejects_the_last_replica(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    h = await make_harness(fail_500, max_retries=0)
+    for _ in range(4):
+        status, _, text = await post(h, {})
+        assert status == 502
+        assert json.loads(text)["error"]["type"] == "upstream_error"
+    only = h.fleet.all()[0]
+    assert not only.ejected(h.fleet.now())
+    assert only.consecutive_failures == 4
+
+
+async def test_stall_before_first_token_is_retried_and_counts_as_failure(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    h = await make_harness(stall_after_role, ok_stream, first_token_timeout_s=0.3)
+    status, _, text = await post(h, {"stream": True})
+    assert status == 200
+    got = events(text)
+    assert got[0] == ROLE and got[1] == content("hello from up1")  # nothing from up0 leaked
+    outcome = h.outcomes[0]
+    assert outcome.failures == [(h.upstreams[0].url.split("//")[1], "first_token_timeout")]
+    stalled = h.fleet.get(outcome.failures[0][0])
+    assert stalled is not None and stalled.consecutive_failures == 1
+    # The gateway hung up on the stalled replica rather than leaving it generating.
+    await asyncio.wait_for(h.upstreams[0].cancelled.wait(), 5)
+
+
+async def test_reset_after_first_byte_ends_with_sse_error_and_done(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    h = await make_harness(reset_after_first_token, ok_stream)
+    status, _, text = await post(h, {"stream": True})
+    assert status == 200
+    got = events(text)
+    assert got[:2] == [ROLE, content("partial")]
+    assert got[2]["error"]["type"] == "upstream_error"
+    assert got[3] == "[DONE]"
+    assert h.upstreams[1].hits == 0  # never retried once the client saw a byte
+    assert h.outcomes[0].completed is False
+
+
+async def test_client_disconnect_cancels_the_upstream_request(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    h = await make_harness(endless)
+    async with h.session.post(h.url, json={"stream": True}) as resp:
+        first = await resp.content.readuntil(b"\n\n")
+        assert json.loads(first[6:]) == ROLE
+        second = await resp.content.readuntil(b"\n\n")
+        assert json.loads(second[6:]) == content("first")
+        resp.close()  # the client goes away mid-generation
+    await asyncio.wait_for(h.upstreams[0].cancelled.wait(), 5)
+    # The gateway's count drops before it hangs up, so it is exact by now.
+    assert h.fleet.all()[0].inflight == 0
+    assert metric(h, "cacheroute_client_disconnects_total") == 1
+
+
+async def test_non_stream_token_ids_are_recorded_and_stripped(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    h = await make_harness(ok_json)
+    status, _, text = await post(h, {"strip": True})
+    body = json.loads(text)
+    assert status == 200
+    assert "token_ids" not in body["choices"][0] and "prompt_token_ids" not in body
+    assert h.outcomes[0].output_token_ids == [7, 8, 9]
+    assert h.outcomes[0].cached_tokens == 32
+
+
+def test_retry_budget_is_a_share_of_inflight_with_a_floor() -> None:
+    budget = RetryBudget(ratio=0.1, minimum=2)
+    budget.inflight = 50
+    assert [budget.try_acquire() for _ in range(6)] == [True] * 5 + [False]
+    budget.release()
+    assert budget.try_acquire()
+    low = RetryBudget(ratio=0.1, minimum=2)
+    low.inflight = 1
+    assert [low.try_acquire() for _ in range(3)] == [True, True, False]
+
+
+async def test_dns_source_finds_every_address_and_health_checks_them() -> None:
+    up = Upstream(ok_json, "dns")
+    await up.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            source = ReplicaSource(name="svc", dns=f"localhost:{up.port}", models=("m",),
+                                   hash_config=HashConfig(),
+                                   kv_events="tcp://{host}:5557")
+            fleet = Fleet([source], HealthSettings(timeout_s=1.0), session)
+            added: list[str] = []
+            fleet.listeners.added.append(lambda r: added.append(r.replica_id))
+            await fleet.refresh_discovery()
+            replica = fleet.get(f"127.0.0.1:{up.port}")
+            assert replica is not None and replica.replica_id in added
+            assert replica.base_url == up.url
+            assert replica.target.kv_events == "tcp://127.0.0.1:5557"
+            await fleet.check_health()
+            assert replica.available(fleet.now())
+            assert fleet.available("m")[0] is replica
+            # Re-resolving the same name changes nothing.
+            await fleet.refresh_discovery()
+            assert added.count(replica.replica_id) == 1
+    finally:
+        await up.stop()
+
+
+def test_scraped_load_counts_other_clients_and_our_fresh_inflight() -> None:
+    text = "\n".join([
+        "# HELP vllm:num_requests_running x",
+        'vllm:num_requests_running{engine="0",model_name="m"} 7.0',
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0',
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25',
+        "vllm:num_requests_running_other 99"])
+    gauges = parse_prometheus_gauges(text, ["vllm:num_requests_running",
+                                            "vllm:num_requests_waiting",
+                                            "vllm:kv_cache_usage_perc"])
+    assert gauges == {"vllm:num_requests_running": 7.0, "vllm:num_requests_waiting": 3.0,
+                      "vllm:kv_cache_usage_perc": 0.25}
+    source = ReplicaSource(name="r", url="http://127.0.0.1:1", models=("m",),
+                           hash_config=HashConfig())
+
+    replica = Replica(target=source.target(), running=7, waiting=3, inflight_at_scrape=4)
+    replica.inflight = 0  # ours finished since the scrape: 6 others remain
+    assert replica.outstanding() == (3, 3)
+    replica.inflight = 10  # a burst since the scrape: counted at once
+    assert sum(replica.outstanding()) == 16
+
+
+async def test_gateway_injects_the_tenant_salt_and_forwards_tracing_headers() -> None:
+    """The whole app in front of a loopback upstream that records what it was sent."""
+    up = Upstream(ok_stream, "replica")
+    await up.start()
+    secret = "proxy-test-secret-0123456789"
+    port = free_port()
+    config = build_config({
+        "listen": {"host": "127.0.0.1", "port": port},
+        "replicas": [{"url": up.url, "models": ["m"]}],
+        "tenants": {"keys": [{"key": "sk-t", "tenant": "t"}]},
+        "health": {"interval_s": 60},
+    }, {"CACHEROUTE_SALT_SECRET": secret})
+    trace = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+             "tracestate": "vendor=1", "x-request-id": "abc-123"}
+    try:
+        async with running_gateway(build_app(config), "127.0.0.1", port), \
+                aiohttp.ClientSession() as session:
+            async with session.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions",
+                    json={"model": "m", "stream": True,
+                          "messages": [{"role": "user", "content": "hi"}]},
+                    headers={"Authorization": "Bearer sk-t", **trace}) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-request-id"] == "abc-123"
+                assert "x-cacheroute-replica" not in resp.headers
+                got = events(await resp.text())
+        sent = up.bodies[0]
+        assert sent["cache_salt"] == derive_salt(secret.encode(), "t")
+        assert sent["stream_options"] == {"include_usage": True}
+        assert all(up.headers[0][k] == v for k, v in trace.items())
+        assert "authorization" not in up.headers[0]  # the tenant's key stays at the gateway
+        assert got[-1] == "[DONE]" and USAGE not in got  # usage chunk hidden: not asked for
+    finally:
+        await up.stop()

@@ -1,0 +1,191 @@
+"""The routing pipeline as plain functions: parse -> tokens -> chain -> lookup -> decide."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from router.hashing import HashConfig, chain_hashes, event_key
+from router.index import MemoryIndex, RedisIndex
+from router.policy.pipeline import build_policy
+from router.policy.types import PolicyConfig
+from router.replicas import Replica, ReplicaSource
+from router.routing import (
+    ChainCache,
+    ClientError,
+    RoutingPipeline,
+    parse_body,
+    predicted_cached_tokens,
+    prepare_prompt,
+    upstream_body,
+)
+
+CONFIG = HashConfig(block_size=16)
+
+
+def replicas(n: int, config: HashConfig = CONFIG) -> list[Replica]:
+    out = []
+    for i in range(n):
+        source = ReplicaSource(name=f"r{i}", url=f"http://127.0.0.1:{9000 + i}", models=("m",),
+                               hash_config=config)
+        out.append(Replica(target=source.target(), healthy=True))
+    return out
+
+
+def pipeline(index: Any, deadline_s: float = 1.0, name: str = "cache_aware") -> RoutingPipeline:
+    policy = build_policy(PolicyConfig(name=name, seed=1, tolerance=0.0))
+    return RoutingPipeline(tokenizers={}, chains=ChainCache(), index=index, policy=policy,
+                           index_deadline_s=deadline_s)
+
+
+def completion(tokens: list[int], **extra: Any) -> bytes:
+    return json.dumps({"model": "m", "prompt": tokens, **extra}).encode()
+
+
+@pytest.mark.parametrize(("raw", "problem"), [
+    (b"\xff\xfe{}", "UTF-8"),
+    (b"{not json", "not valid JSON"),
+    (b"[1, 2]", "JSON object"),
+    (b'{"prompt": [1]}', "model"),
+    (b'{"model": "m", "stream": "yes"}', "stream"),
+])
+def test_parse_rejects_malformed_bodies(raw: bytes, problem: str) -> None:
+    with pytest.raises(ClientError) as err:
+        parse_body(raw, "completions")
+    assert err.value.status == 400
+    assert problem in err.value.message
+
+
+def test_upstream_body_injects_salt_and_usage_without_touching_the_original() -> None:
+    parsed = parse_body(completion([1, 2], stream=True), "completions")
+    body, strip = upstream_body(parsed, "salt-a", want_token_ids=True)
+    assert body["cache_salt"] == "salt-a"
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["return_token_ids"] is True and strip
+    assert not parsed.client_wants_usage
+    assert "cache_salt" not in parsed.body and "stream_options" not in parsed.body
+    asked = parse_body(completion([1], stream=True, return_token_ids=True,
+                                  stream_options={"include_usage": True}), "completions")
+    assert asked.client_wants_usage
+    assert upstream_body(asked, None, want_token_ids=True)[1] is False
+
+
+def test_chain_cache_matches_vllm_keys_and_hashes_only_new_blocks() -> None:
+    cache = ChainCache()
+    history = list(range(1000, 1000 + 16 * 40 + 5))
+    keys = cache.event_keys(CONFIG, history, "salt")
+    assert keys == [event_key(d) for d in chain_hashes(CONFIG, history, cache_salt="salt")]
+    assert cache.hashed_blocks == 40
+    grown = [*history, *range(5000, 5000 + 16 * 3)]
+    grown_keys = cache.event_keys(CONFIG, grown, "salt")
+    assert grown_keys == [event_key(d) for d in chain_hashes(CONFIG, grown, cache_salt="salt")]
+    assert cache.hashed_blocks == 40 + 3  # the history's 40 blocks came from the cache
+    assert cache.reused_blocks == 40
+    # Another salt shares nothing (its block 0 key differs, so every key does).
+    other = cache.event_keys(CONFIG, history, "other")
+    assert not set(other) & set(keys)
+    assert cache.hashed_blocks == 43 + 40
+
+
+def test_chain_cache_is_bounded() -> None:
+    cache = ChainCache(capacity_blocks=10)
+    cache.event_keys(CONFIG, list(range(16 * 30)), None)
+    assert len(cache._memo) == 10
+
+
+def test_prepare_prompt_without_tokenizer_keys_token_id_prompts_only() -> None:
+    parsed = parse_body(completion(list(range(40))), "completions")
+    prompt = prepare_prompt(None, ChainCache(), parsed, [CONFIG], None)
+    assert prompt.num_tokens == 40 and len(prompt.keys[CONFIG]) == 2
+    text = parse_body(json.dumps({"model": "m", "prompt": "hello"}).encode(), "completions")
+    assert prepare_prompt(None, ChainCache(), text, [CONFIG], None).keys == {}
+
+
+def test_predicted_cached_tokens_leaves_the_last_token_to_compute() -> None:
+    assert predicted_cached_tokens(4, 64, 16) == 48  # (64 - 1) // 16 = 3 blocks at most
+    assert predicted_cached_tokens(2, 64, 16) == 32
+    assert predicted_cached_tokens(0, 64, 16) == 0
+
+
+async def test_routes_to_the_replica_holding_the_prefix() -> None:
+    index = MemoryIndex()
+    fleet = replicas(3)
+    tokens = list(range(16 * 8 + 3))
+    keys = [event_key(d) for d in chain_hashes(CONFIG, tokens, cache_salt="s")]
+    await index.add("m", "r2", keys[:6])
+    await index.add("m", "r1", keys[:2])
+    p = pipeline(index)
+    route = await p.route(parse_body(completion(tokens), "completions"), fleet, time.monotonic(),
+                          tenant="t", cache_salt="s")
+    assert route.decision.replica_id == "r2"
+    assert route.candidates[0].replica_id == "r2"
+    assert set(r.replica_id for r in route.candidates) == {"r0", "r1", "r2"}
+    assert route.matches == {"r2": 6, "r1": 2}
+    assert route.predicted_for("r2") == 96 and route.predicted_for("r1") == 32
+    assert route.lookup.fallback is None
+    # The same prompt under another tenant's salt matches nothing.
+    other = await p.route(parse_body(completion(tokens), "completions"), fleet, time.monotonic(),
+                          tenant="u", cache_salt="other")
+    assert other.matches == {} and other.predicted_for("r2") == 0
+
+
+async def test_unhealthy_replica_is_not_chosen_even_with_the_prefix() -> None:
+    index = MemoryIndex()
+    fleet = replicas(2)
+    fleet[1].healthy = False
+    tokens = list(range(64))
+    await index.add("m", "r1", [event_key(d) for d in chain_hashes(CONFIG, tokens)])
+    route = await pipeline(index).route(parse_body(completion(tokens), "completions"), fleet,
+                                        time.monotonic(), tenant=None, cache_salt=None)
+    assert route.decision.replica_id == "r0"
+
+
+async def test_mixed_hash_groups_are_matched_against_their_own_chains() -> None:
+    other_config = HashConfig(block_size=32)
+    fleet = [*replicas(1), *replicas(1, other_config)]
+    fleet[1] = Replica(target=ReplicaSource(name="big", url="http://127.0.0.1:9100", models=("m",),
+                                            hash_config=other_config).target(), healthy=True)
+    tokens = list(range(100))
+    index = MemoryIndex()
+    small = [event_key(d) for d in chain_hashes(CONFIG, tokens)]
+    big = [event_key(d) for d in chain_hashes(other_config, tokens)]
+    await index.add("m", "big", big)
+    await index.add("m", "r0", small[:1])
+    # r0 "holding" the 32-block keys must not count: they are not its group's keys.
+    await index.add("m", "r0", big)
+    route = await pipeline(index).route(parse_body(completion(tokens), "completions"), fleet,
+                                        time.monotonic(), tenant=None, cache_salt=None)
+    assert route.matches == {"r0": 1, "big": 3}
+    assert route.predicted_for("big") == 96
+
+
+async def test_index_past_its_deadline_routes_on_load_alone(redis_server: Any) -> None:
+    index = RedisIndex.from_url(redis_server.url, socket_timeout_s=5.0)
+    fleet = replicas(2)
+    fleet[0].inflight = 5  # the load-only choice is r1
+    tokens = list(range(64))
+    await index.add("m", "r0", [event_key(d) for d in chain_hashes(CONFIG, tokens)])
+    p = pipeline(index, deadline_s=0.2)
+    body = parse_body(completion(tokens), "completions")
+    ok = await p.route(body, fleet, time.monotonic(), tenant=None, cache_salt=None)
+    assert ok.matches == {"r0": 4} and ok.lookup.fallback is None
+    assert redis_server.proc is not None
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)  # Redis hangs: lookups cannot answer
+    try:
+        started = time.monotonic()
+        slow = await p.route(body, fleet, time.monotonic(), tenant=None, cache_salt=None)
+        assert time.monotonic() - started < 1.0  # the request was not held
+        assert slow.lookup.fallback == "deadline" and slow.matches == {}
+        assert slow.decision.replica_id == "r1"
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    redis_server.stop()  # Redis gone: connection refused
+    down = await p.route(body, fleet, time.monotonic(), tenant=None, cache_salt=None)
+    assert down.lookup.fallback == "index_down"
+    assert down.decision.replica_id == "r1"
+    await index.close()
