@@ -214,17 +214,30 @@ class BlockChain:
 
     def extend(self, new_tokens: Sequence[int]) -> list[bytes]:
         """Append tokens and return the keys of the blocks they completed."""
-        self.tokens.extend(int(t) for t in new_tokens)
+        # map(int) in C: numpy integers would pickle differently from Python ints.
+        self.tokens.extend(map(int, new_tokens))
         size = self.config.block_size
-        added: list[bytes] = []
-        parent = self.keys[-1] if self.keys else None
+        tokens = self.tokens
         start = len(self.keys) * size
-        while start + size <= len(self.tokens):
+        if start + size > len(tokens):
+            return []
+        hash_fn = self.config.hash_fn
+        parent = self.keys[-1] if self.keys else self.config.root_hash()
+        added: list[bytes] = []
+        # Without multimodal items a block's extra keys depend only on whether it is
+        # block 0 (the salt), so compute them once rather than per block: this loop is
+        # the gateway's per-request floor on long prompts.
+        steady = None if self.mm_items else block_extra_keys(size, 2 * size, lora=self.lora)
+        while start + size <= len(tokens):
             end = start + size
-            extra = block_extra_keys(
-                start, end, lora=self.lora, cache_salt=self.cache_salt, mm_items=self.mm_items
-            )
-            parent = hash_block(self.config, parent, self.tokens[start:end], extra)
+            if start == 0 or self.mm_items:
+                extra = block_extra_keys(
+                    start, end, lora=self.lora, cache_salt=self.cache_salt,
+                    mm_items=self.mm_items,
+                )
+            else:
+                extra = steady
+            parent = hash_fn((parent, tuple(tokens[start:end]), extra))
             added.append(parent)
             start = end
         self.keys.extend(added)
