@@ -39,6 +39,13 @@ Not supported, counted in `stats.rekey_unsupported` and skipped: a different blo
 every replica block it overlaps is held: regroup tokens along the chain), multimodal
 and prompt-embeds extra keys. A stored block whose parent was never seen (it was stored
 before we subscribed) cannot be rekeyed either: `stats.rekey_misses`.
+With rekey_mode "auto" the stream first compares one root block's key with the
+gateway's (`stats.key_check`) and re-keys only if they differ; until then, and for good
+if they agree, it indexes the replica's keys as they are.
+
+Hash-handshake probes (router/handshake.py): a BlockStored whose block-0 salt is a
+probe's is not indexed (nor are blocks stored under it); the replica's keys and tokens
+for it go to `index.put_probe`, where the gateway that sent the probe reads them.
 """
 
 from __future__ import annotations
@@ -49,13 +56,15 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from router.handshake import is_probe_salt
 from router.hashing import HashConfig, LoraRef, block_extra_keys, event_key, hash_block
-from router.index import IndexUnavailable, PrefixIndex
+from router.index import IndexOp, IndexUnavailable, PrefixIndex
 from router.kv_events import (
     END_SEQ,
     AllBlocksCleared,
@@ -72,6 +81,12 @@ from router.kv_events import (
 log = logging.getLogger(__name__)
 
 DEFAULT_REPLAY_TIMEOUT_S = 2.0
+# A probe's observation is read by the gateway within its handshake deadline (seconds).
+DEFAULT_PROBE_TTL_S = 120.0
+# Probe chains remembered per stream; past this the set starts over (probes are rare).
+_MAX_PROBE_BLOCKS = 10_000
+
+RekeyMode = Literal["always", "auto"]
 # vLLM reports "GPU" even on CPU. A block held only on another medium (an offload tier)
 # must be loaded back before it saves a prefill, so such events are ignored unless asked.
 DEFAULT_MEDIA: frozenset[str | None] = frozenset({"GPU", None})
@@ -96,6 +111,9 @@ class StreamStats:
     index_errors: int = 0
     rekey_misses: int = 0
     rekey_unsupported: int = 0
+    probes: int = 0
+    # rekey_mode "auto": None until a root block was compared, then "agree" or "differ".
+    key_check: str | None = None
     disconnects: int = 0
     last_seq: int | None = None
     last_event_ts: float | None = None
@@ -118,25 +136,27 @@ class _Held:
 
 
 @dataclass(frozen=True)
-class _Op:
-    kind: str  # "add" | "remove" | "clear"
-    scope: str = ""
-    keys: tuple[int, ...] = ()
+class _ProbeSeen:
+    salt: str
+    block_size: int
+    keys: tuple[int, ...]
+    token_ids: tuple[int, ...]
 
 
 @dataclass
 class _Plan:
-    ops: list[_Op] = field(default_factory=list)
+    ops: list[IndexOp] = field(default_factory=list)
+    probes: list[_ProbeSeen] = field(default_factory=list)
     applied: int = 0
 
-    def push(self, kind: str, scope: str, keys: Sequence[int]) -> None:
-        # Consecutive events of one kind and scope become one index call (vLLM sends one
-        # BlockRemoved per evicted block); order across kinds is kept.
+    def push(self, kind: Literal["add", "remove"], scope: str, keys: Sequence[int]) -> None:
+        # Consecutive events of one kind and scope become one index write (vLLM sends
+        # one BlockRemoved per evicted block); order across kinds is kept.
         if self.ops and self.ops[-1].kind == kind and self.ops[-1].scope == scope:
             last = self.ops[-1]
-            self.ops[-1] = _Op(kind, scope, last.keys + tuple(keys))
+            self.ops[-1] = IndexOp(kind, scope, last.keys + tuple(keys))
         else:
-            self.ops.append(_Op(kind, scope, tuple(keys)))
+            self.ops.append(IndexOp(kind, scope, tuple(keys)))
 
 
 class ReplayUnavailable(RuntimeError):
@@ -147,8 +167,12 @@ class ReplicaEventStream:
     """One replica's KV-event subscription, applied to the index by an asyncio task.
 
     `model` is the index scope of the replica's base-model blocks (LoRA blocks go under
-    "model@lora"). `rekey`: the gateway's HashConfig, when the replica's keys differ
-    from it. `lora_paths`: adapter name -> path, needed to rekey LoRA blocks.
+    "model@lora"). `rekey`: the gateway's HashConfig for this replica, to index its
+    blocks under the gateway's keys; with `rekey_mode` "always" every block is re-keyed,
+    with "auto" only once the replica's first root block shows its keys differ (see
+    `_decide_keys`). `lora_paths`: adapter name -> path, needed to rekey LoRA blocks.
+    Handshake probes (block-0 salt `is_probe_salt`) are never indexed: they are stored
+    with `index.put_probe` for `probe_ttl_s`, under the replica's own keys.
     `start()` connects and returns; `stop()` closes; `stats` is read at any time.
     """
 
@@ -162,14 +186,18 @@ class ReplicaEventStream:
         *,
         topic: str = "",
         rekey: HashConfig | None = None,
+        rekey_mode: RekeyMode = "always",
         lora_paths: Mapping[str, str] | None = None,
         media: frozenset[str | None] = DEFAULT_MEDIA,
         replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
+        probe_ttl_s: float = DEFAULT_PROBE_TTL_S,
         context: zmq.asyncio.Context | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if rekey is not None:
             rekey.check_reproducible()
+        if rekey_mode not in ("always", "auto"):
+            raise ValueError(f"rekey_mode must be 'always' or 'auto', got {rekey_mode!r}")
         self.replica_id = replica_id
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -178,6 +206,10 @@ class ReplicaEventStream:
         self._index = index
         self._topic = topic.encode()
         self._rekey = rekey
+        self._rekey_mode = rekey_mode
+        self._probe_ttl_s = probe_ttl_s
+        # Blocks of handshake probe chains, so blocks stored under them are not indexed.
+        self._probe_blocks: set[int] = set()
         self._lora_paths = dict(lora_paths or {})
         self._media = media
         self._replay_timeout_s = replay_timeout_s
@@ -229,6 +261,18 @@ class ReplicaEventStream:
             self._monitor = None
         if self._own_context:
             self._ctx.term()
+
+    @property
+    def rekeying(self) -> bool:
+        """Whether this stream re-keys the replica's blocks with the gateway's settings."""
+        if self._rekey is None:
+            return False
+        return self._rekey_mode == "always" or self.stats.key_check == "differ"
+
+    def _forget_key_check(self) -> None:
+        # A restarted replica may come back with other settings: compare its keys again.
+        if self._rekey_mode == "auto":
+            self.stats.key_check = None
 
     async def mark_stale(self) -> None:
         """Drop the replica's entries now (it failed health checks); resync on its next event."""
@@ -291,6 +335,7 @@ class ReplicaEventStream:
                 self.stats.duplicates += 1
                 return
             self.stats.restarts += 1
+            self._forget_key_check()
             log.info("replica %s restarted (seq %d after %d): clearing its entries",
                      self.replica_id, seq, last)
             await self._clear()
@@ -336,6 +381,7 @@ class ReplicaEventStream:
         start = last + 1
         if last >= 0 and last in replayed and self._restarted_since(last, replayed[last]):
             self.stats.restarts += 1
+            self._forget_key_check()
             log.info("replica %s restarted during a gap: clearing its entries", self.replica_id)
             await self._clear()
             self._held.clear()
@@ -414,13 +460,15 @@ class ReplicaEventStream:
             self.stats.last_seq = seq
             return
         plan = self._plan(batch)
-        for op in plan.ops:
-            if op.kind == "add":
-                await self._index.add(op.scope, self.replica_id, op.keys)
-            elif op.kind == "remove":
-                await self._index.remove(op.scope, self.replica_id, op.keys)
-            else:
-                await self._clear()
+        # One call for the whole batch: the Redis index writes it in one round trip.
+        await self._index.apply(self.replica_id, plan.ops)
+        self.stats.clears += sum(1 for op in plan.ops if op.kind == "clear")
+        for probe in plan.probes:
+            await self._index.put_probe(
+                probe.salt, self.replica_id, probe.block_size, probe.keys, probe.token_ids,
+                self._probe_ttl_s,
+                rekeyed=self.rekeying and self._rekey is not None
+                and self._rekey.block_size == probe.block_size)
         self.stats.batches += 1
         self.stats.events_applied += plan.applied
         self.stats.last_event_ts = batch.ts
@@ -441,7 +489,8 @@ class ReplicaEventStream:
         for event in batch.events:
             if isinstance(event, AllBlocksCleared):
                 self._held.clear()
-                plan.ops.append(_Op("clear"))
+                self._probe_blocks.clear()
+                plan.ops.append(IndexOp("clear"))
                 plan.applied += 1
             elif event.medium not in self._media:
                 self.stats.events_ignored += 1
@@ -454,16 +503,24 @@ class ReplicaEventStream:
         return plan
 
     def _plan_stored(self, event: BlockStored, plan: _Plan) -> bool:
-        scope = self._scope(event.lora_name)
         replica_keys = [block_key_int(h) for h in event.block_hashes]
-        if self._rekey is not None:
-            digests = self._rekeyed(event, replica_keys)
-            if digests is None:
-                return False
+        at_root = event.parent_block_hash is None
+        if at_root and self._rekey is not None and self.stats.key_check is None and (
+                self._rekey_mode == "auto"):
+            self._decide_keys(event, replica_keys)
+        if self._plan_probe(event, replica_keys, plan):
+            return True
+        scope = self._scope(event.lora_name)
+        digests = self._rekeyed(event, replica_keys) if self.rekeying else None
+        if digests is not None:
             keys = [event_key(d) for d in digests]
             for rk, key, digest in zip(replica_keys, keys, digests, strict=True):
                 self._held[rk] = _Held(key, scope, digest)
+        elif self.rekeying:
+            return False
         else:
+            # Passthrough: the replica's keys are the gateway's (or, in "auto" before the
+            # first comparison, may be: indexing them then costs nothing if they differ).
             keys = replica_keys
             if scope != self.model:
                 for rk in replica_keys:
@@ -471,23 +528,81 @@ class ReplicaEventStream:
         plan.push("add", scope, keys)
         return True
 
+    def _plan_probe(self, event: BlockStored, replica_keys: list[int], plan: _Plan) -> bool:
+        """Whether the event is a handshake probe's (then kept for the gateway, not indexed)."""
+        parent = event.parent_block_hash
+        salt: str | None = None
+        if parent is None:
+            first = (event.extra_keys or [None])[0] or []
+            if not (first and is_probe_salt(first[-1])):
+                return False
+            salt = str(first[-1])
+        elif block_key_int(parent) not in self._probe_blocks:
+            return False
+        # else: a block stored under a probe (its decode filled it): not indexed either.
+        if len(self._probe_blocks) > _MAX_PROBE_BLOCKS:
+            self._probe_blocks.clear()
+        self._probe_blocks.update(replica_keys)
+        self.stats.probes += 1
+        if salt is not None:
+            plan.probes.append(_ProbeSeen(salt, event.block_size, tuple(replica_keys),
+                                          tuple(event.token_ids)))
+        return True
+
+    def _decide_keys(self, event: BlockStored, replica_keys: list[int]) -> None:
+        """rekey_mode "auto": compare a root block's key with the gateway's, once.
+
+        A root block's key depends only on its tokens, its extra keys and the settings,
+        all of which the event carries (or the gateway knows), so one comparison tells
+        whether the replica keys blocks as the gateway does. Agree: index its keys as
+        they are (nothing to compute, and blocks stored before we subscribed still
+        count). Differ: re-key from now on.
+        """
+        assert self._rekey is not None
+        if event.block_size != self._rekey.block_size:
+            agree = False
+        else:
+            digests = self._rekeyed(event, replica_keys[:1], count=False)
+            if digests is None:
+                return  # extra keys we cannot reproduce: wait for another root block
+            agree = event_key(digests[0]) == replica_keys[0]
+        self.stats.key_check = "agree" if agree else "differ"
+        if agree:
+            log.info("replica %s keys blocks as the gateway does: indexing its keys as they are",
+                     self.replica_id)
+        else:
+            log.warning("replica %s keys blocks differently from the gateway's settings "
+                        "(block size %d vs %d): %s", self.replica_id, event.block_size,
+                        self._rekey.block_size,
+                        "re-keying its blocks with the gateway's settings"
+                        if event.block_size == self._rekey.block_size else
+                        "its blocks cannot be re-keyed (another block size) and are skipped")
+
     def _plan_removed(self, event: BlockRemoved, plan: _Plan) -> None:
         for h in event.block_hashes:
             rk = block_key_int(h)
+            if rk in self._probe_blocks:
+                self._probe_blocks.discard(rk)
+                continue
             held = self._held.pop(rk, None)
             if held is not None:
                 plan.push("remove", held.scope, [held.key])
-            elif self._rekey is None:
+            elif not self.rekeying:
                 plan.push("remove", self.model, [rk])
             # In rekey mode an unknown block was never indexed: nothing to remove.
 
-    def _rekeyed(self, event: BlockStored, replica_keys: list[int]) -> list[bytes] | None:
-        """The gateway's digests for a stored run of blocks, or None if they cannot be had."""
+    def _rekeyed(self, event: BlockStored, replica_keys: list[int], *, count: bool = True
+                 ) -> list[bytes] | None:
+        """The gateway's digests for a stored run of blocks, or None if they cannot be had.
+
+        `count`: add the reason to stats (not for `_decide_keys`' trial run).
+        """
         config = self._rekey
         assert config is not None
         size = config.block_size
-        if event.block_size != size or len(event.token_ids) != size * len(replica_keys):
-            self.stats.rekey_unsupported += 1
+        if event.block_size != size or len(event.token_ids) < size * len(replica_keys):
+            if count:
+                self.stats.rekey_unsupported += 1
             return None
         parent: bytes | None = None
         at_root = event.parent_block_hash is None
@@ -495,14 +610,16 @@ class ReplicaEventStream:
             assert event.parent_block_hash is not None
             held = self._held.get(block_key_int(event.parent_block_hash))
             if held is None or held.digest is None:
-                self.stats.rekey_misses += 1
+                if count:
+                    self.stats.rekey_misses += 1
                 return None
             parent = held.digest
         lora: LoraRef | None = None
         if event.lora_name:
             path = self._lora_paths.get(event.lora_name)
             if path is None:
-                self.stats.rekey_unsupported += 1
+                if count:
+                    self.stats.rekey_unsupported += 1
                 return None
             lora = LoraRef(event.lora_name, path)
         extras = event.extra_keys or []
@@ -516,7 +633,8 @@ class ReplicaEventStream:
                 items.pop(0)
             salt = items.pop() if first and items and isinstance(items[-1], str) else None
             if items:
-                self.stats.rekey_unsupported += 1
+                if count:
+                    self.stats.rekey_unsupported += 1
                 return None
             start = 0 if first else size * (i + 1)  # only "is this block 0" matters
             extra = block_extra_keys(start, start + size, lora=lora, cache_salt=salt)
@@ -535,6 +653,7 @@ class ReplicaFeed:
     replay_endpoint: str | None = None
     topic: str = ""
     rekey: HashConfig | None = None
+    rekey_mode: RekeyMode = "always"
     lora_paths: tuple[tuple[str, str], ...] = ()
 
 
@@ -578,6 +697,7 @@ class EventIndexer:
             feed.model,
             topic=feed.topic,
             rekey=feed.rekey,
+            rekey_mode=feed.rekey_mode,
             lora_paths=dict(feed.lora_paths),
             media=self._media,
             replay_timeout_s=self._replay_timeout_s,

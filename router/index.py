@@ -40,6 +40,15 @@ hash tag; K is the block's 64-bit key as 8 raw big-endian bytes; R the replica i
                   positions within one write stay ordered, which ms timestamps would not).
     NS:rm:R       SET   model scopes replica R has entries under (for clear_replica);
                   its TTL follows the replica's longest-lived entry.
+    NS:p:S        STRING  a hash-handshake probe's observation, by its cache salt S
+                  (msgpack [replica, block_size, keys, token_ids, rekeyed]); short TTL
+                  (`put_probe`'s ttl_s): the gateway that sent the probe reads it once.
+
+`apply(replica, ops)` writes one KV-event batch's operations (`IndexOp`: add / remove,
+in order) in one pipelined round trip: each add is its write script, each remove its
+remove script, and the writes' SADDs ride along. A batch holding a clear (the replica
+reset its cache) runs its operations one by one, since clear_replica takes several
+round trips.
 
 A lookup is one EVALSHA of `_LOOKUP` with the chain's block keys as KEYS: the script
 walks the chain, intersecting holders until none is left, so its cost is one round trip
@@ -67,12 +76,17 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeVar
 
+import msgspec
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
+
+from router.handshake import ObservedBlocks
 
 T = TypeVar("T")
 
@@ -89,6 +103,15 @@ _EXPIRED_SWEEP = 64
 
 class IndexUnavailable(RuntimeError):
     """The index could not answer within its deadline; route without it."""
+
+
+@dataclass(frozen=True)
+class IndexOp:
+    """One write of a KV-event batch: add or remove `keys` under scope, or clear the replica."""
+
+    kind: Literal["add", "remove", "clear"]
+    scope: str = ""
+    keys: tuple[int, ...] = ()
 
 
 class PrefixIndex(Protocol):
@@ -124,6 +147,28 @@ class PrefixIndex(Protocol):
         """Forget everything the replica holds, under every model scope."""
         ...
 
+    async def apply(self, replica: str, ops: Sequence[IndexOp]) -> None:
+        """One KV-event batch's writes for the replica, in order (add/remove as above)."""
+        ...
+
+    async def put_probe(
+        self,
+        salt: str,
+        replica: str,
+        block_size: int,
+        keys: Sequence[int],
+        token_ids: Sequence[int],
+        ttl_s: float,
+        *,
+        rekeyed: bool = False,
+    ) -> None:
+        """Keep what the replica's events said about a handshake probe, for ttl_s."""
+        ...
+
+    async def get_probe(self, salt: str) -> ObservedBlocks | None:
+        """The observation stored for a probe's salt, or None (not seen yet, or expired)."""
+        ...
+
     async def close(self) -> None:
         """Release connections."""
         ...
@@ -147,6 +192,8 @@ class MemoryIndex:
         # (model, replica) -> block keys, least recently touched first
         self._lru: dict[tuple[str, str], OrderedDict[int, None]] = {}
         self._models: dict[str, set[str]] = {}
+        # probe salt -> (expiry, observation)
+        self._probes: dict[str, tuple[float, ObservedBlocks]] = {}
 
     async def lookup(
         self, model: str, keys: Sequence[int], *, deadline_s: float | None = None
@@ -202,6 +249,42 @@ class MemoryIndex:
             holders = self._holders.get(model, {})
             for key in self._lru.pop((model, replica), OrderedDict()):
                 self._drop(holders, key, replica)
+
+    async def apply(self, replica: str, ops: Sequence[IndexOp]) -> None:
+        """One KV-event batch's writes for the replica, in order."""
+        for op in ops:
+            if op.kind == "add":
+                await self.add(op.scope, replica, op.keys)
+            elif op.kind == "remove":
+                await self.remove(op.scope, replica, op.keys)
+            else:
+                await self.clear_replica(replica)
+
+    async def put_probe(
+        self,
+        salt: str,
+        replica: str,
+        block_size: int,
+        keys: Sequence[int],
+        token_ids: Sequence[int],
+        ttl_s: float,
+        *,
+        rekeyed: bool = False,
+    ) -> None:
+        """Keep what the replica's events said about a handshake probe, for ttl_s."""
+        now = self._clock()
+        # Expired observations go on every put: probes are rare, so this stays small.
+        for old in [k for k, (exp, _) in self._probes.items() if exp <= now]:
+            del self._probes[old]
+        self._probes[salt] = (now + ttl_s, ObservedBlocks(
+            block_size, tuple(keys), tuple(token_ids), replica=replica, rekeyed=rekeyed))
+
+    async def get_probe(self, salt: str) -> ObservedBlocks | None:
+        """The observation stored for a probe's salt, or None (not seen yet, or expired)."""
+        entry = self._probes.get(salt)
+        if entry is None or entry[0] <= self._clock():
+            return None
+        return entry[1]
 
     async def close(self) -> None:
         """Nothing to release."""
@@ -329,6 +412,34 @@ class NearCache:
         """Forward, invalidating every cached answer."""
         self._epoch += 1
         await self._index.clear_replica(replica)
+
+    async def apply(self, replica: str, ops: Sequence[IndexOp]) -> None:
+        """Forward, invalidating the cached answers of every scope the ops touch."""
+        for op in ops:
+            if op.kind == "clear":
+                self._epoch += 1
+            else:
+                self._invalidate(op.scope)
+        await self._index.apply(replica, ops)
+
+    async def put_probe(
+        self,
+        salt: str,
+        replica: str,
+        block_size: int,
+        keys: Sequence[int],
+        token_ids: Sequence[int],
+        ttl_s: float,
+        *,
+        rekeyed: bool = False,
+    ) -> None:
+        """Forward (probes are not lookups: nothing to invalidate)."""
+        await self._index.put_probe(salt, replica, block_size, keys, token_ids, ttl_s,
+                                    rekeyed=rekeyed)
+
+    async def get_probe(self, salt: str) -> ObservedBlocks | None:
+        """Forward."""
+        return await self._index.get_probe(salt)
 
     async def close(self) -> None:
         """Close the wrapped index."""
@@ -496,6 +607,20 @@ return left
 """
 
 
+class _ProbeRecord(msgspec.Struct, array_like=True):
+    """A stored probe observation, as msgpack (decoded with every field's type checked)."""
+
+    replica: str
+    block_size: int
+    keys: list[int]
+    token_ids: list[int]
+    rekeyed: bool
+
+
+_probe_encoder = msgspec.msgpack.Encoder()
+_probe_decoder = msgspec.msgpack.Decoder(_ProbeRecord)
+
+
 def _key_bytes(key: int) -> bytes:
     return key.to_bytes(8, "big")
 
@@ -618,43 +743,117 @@ class RedisIndex:
     ) -> None:
         if not keys:
             return
+        await self._call(
+            self._pipelined(lambda pipe: self._queue_write(pipe, model, replica, keys, ttl_s, cap)),
+            self._op_timeout_s,
+            "write",
+        )
+
+    def _queue_write(
+        self,
+        pipe: Pipeline,
+        model: str,
+        replica: str,
+        keys: Sequence[int],
+        ttl_s: float | None,
+        cap: int | None,
+    ) -> None:
         rk, ck = self._replica_keys(model, replica)
         prefix = self.block_prefix(model)
         # The script reads ttl 0 as "never", so a finite TTL is at least 1 ms.
         ttl_ms = 0 if ttl_s is None else max(1, math.ceil(ttl_s * 1000))
         block_keys = [prefix + _key_bytes(k) for k in keys]
-        await self._call(
-            self._write_pipelined(
-                replica, model, ttl_ms, [rk, ck, *block_keys], [replica, ttl_ms, cap or 0, prefix]
-            ),
-            self._op_timeout_s,
-            "write",
-        )
+        models_key = self._models_key(replica)
+        pipe.sadd(models_key, model)
+        # The set outlives its longest-lived entry, as the other keys do.
+        if ttl_ms:
+            pipe.pexpire(models_key, ttl_ms, nx=True)
+            pipe.pexpire(models_key, ttl_ms, gt=True)
+        else:
+            pipe.persist(models_key)
+        pipe.evalsha(self._write_script.sha, len(block_keys) + 2, rk, ck, *block_keys,
+                     replica, ttl_ms, cap or 0, prefix)
 
-    async def _write_pipelined(
-        self, replica: str, model: str, ttl_ms: int, keys: list[bytes], args: list[Any]
-    ) -> None:
-        # SADD and the script share one round trip. redis-py's pipelines would check
-        # SCRIPT EXISTS before every execute, so run EVALSHA by hand and load on NOSCRIPT.
-        script = self._write_script
+    def _queue_remove(self, pipe: Pipeline, model: str, replica: str, keys: Sequence[int]) -> None:
+        rk, ck = self._replica_keys(model, replica)
+        prefix = self.block_prefix(model)
+        block_keys = [prefix + _key_bytes(k) for k in keys]
+        pipe.evalsha(self._remove_script.sha, len(block_keys) + 2, rk, ck, *block_keys,
+                     replica, len(prefix))
+
+    async def _pipelined(self, build: Callable[[Pipeline], None]) -> None:
+        # redis-py's pipelines would check SCRIPT EXISTS before every execute, so run
+        # EVALSHA by hand and load the scripts on NOSCRIPT (a restarted Redis). Retrying
+        # the whole pipeline is safe: adds and removes are idempotent.
         for attempt in range(2):
             pipe = self._redis.pipeline(transaction=False)
-            models_key = self._models_key(replica)
-            pipe.sadd(models_key, model)
-            # The set outlives its longest-lived entry, as the other keys do.
-            if ttl_ms:
-                pipe.pexpire(models_key, ttl_ms, nx=True)
-                pipe.pexpire(models_key, ttl_ms, gt=True)
-            else:
-                pipe.persist(models_key)
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            build(pipe)
             try:
                 await pipe.execute()
                 return
             except NoScriptError:
                 if attempt:
                     raise
-                await self._redis.script_load(script.script)
+                await self._redis.script_load(self._write_script.script)
+                await self._redis.script_load(self._remove_script.script)
+
+    async def apply(self, replica: str, ops: Sequence[IndexOp]) -> None:
+        """One KV-event batch's writes for the replica, in order, in one round trip."""
+        if any(op.kind == "clear" for op in ops):
+            for op in ops:
+                if op.kind == "add":
+                    await self.add(op.scope, replica, op.keys)
+                elif op.kind == "remove":
+                    await self.remove(op.scope, replica, op.keys)
+                else:
+                    await self.clear_replica(replica)
+            return
+        ops = [op for op in ops if op.keys]
+        if not ops:
+            return
+
+        def build(pipe: Pipeline) -> None:
+            for op in ops:
+                if op.kind == "add":
+                    self._queue_write(pipe, op.scope, replica, op.keys, self._event_ttl_s,
+                                      self._capacity)
+                else:
+                    self._queue_remove(pipe, op.scope, replica, op.keys)
+
+        await self._call(self._pipelined(build), self._op_timeout_s, "apply")
+
+    def _probe_key(self, salt: str) -> bytes:
+        return f"{self._ns}:p:{salt}".encode()
+
+    async def put_probe(
+        self,
+        salt: str,
+        replica: str,
+        block_size: int,
+        keys: Sequence[int],
+        token_ids: Sequence[int],
+        ttl_s: float,
+        *,
+        rekeyed: bool = False,
+    ) -> None:
+        """Keep what the replica's events said about a handshake probe, for ttl_s."""
+        value = _probe_encoder.encode(
+            _ProbeRecord(replica, block_size, list(keys), list(token_ids), rekeyed))
+        await self._call(
+            self._redis.set(self._probe_key(salt), value, px=max(1, math.ceil(ttl_s * 1000))),
+            self._op_timeout_s,
+            "put_probe",
+        )
+
+    async def get_probe(self, salt: str) -> ObservedBlocks | None:
+        """The observation stored for a probe's salt, or None (not seen yet, or expired)."""
+        raw = await self._call(self._redis.get(self._probe_key(salt)), self._op_timeout_s,
+                               "get_probe")
+        if raw is None:
+            return None
+        r = _probe_decoder.decode(raw if isinstance(raw, bytes) else raw.encode())
+        return ObservedBlocks(r.block_size, tuple(r.keys), tuple(r.token_ids),
+                              replica=r.replica, rekeyed=r.rekeyed)
 
     async def remove(self, model: str, replica: str, keys: Sequence[int]) -> None:
         """The replica evicted these blocks."""

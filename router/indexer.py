@@ -5,9 +5,25 @@ gateways read in step with what the replicas hold. Replicas come from flags
 
     --replica NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,model=NAME][,topic=T]
 
-or from the gateway's config (`--config gateway.yaml`: every url replica with
-kv_events set; its name, first model and kv_replay). NAME must be the replica id the
-gateway uses (the config's replica name), or lookups will never match it.
+or from the gateway's config (`--config gateway.yaml`: every replica with kv_events
+set; its name, first model and kv_replay). NAME must be the replica id the gateway uses
+(the config's replica name), or lookups will never match it.
+
+A config replica given by `dns: HOST:PORT` stands for every address HOST resolves to:
+one stream per address, named "ADDRESS:PORT" as the gateway names DNS-discovered
+replicas (router.replicas), its events read from the kv_events endpoint with the host
+replaced by the address ("tcp://{host}:5557" or any "tcp://NAME:5557"). The name is
+re-resolved every dns_refresh_s; streams follow the set (a failed resolution keeps the
+last known set, as the gateway does).
+
+Rekey (router/events.py): a config replica is indexed in one of three modes, from its
+`rekey` setting when the config has one, else from --rekey (default never):
+  never   its keys are indexed as they are (they must be the gateway's);
+  always  every block is re-keyed from its token ids with the replica's configured
+          block_size / hash_algo / hash_seed, the keys the gateway computes for it;
+  auto    its first root block is compared with the gateway's key; re-keyed only if
+          they differ (a replica started with another PYTHONHASHSEED or algorithm).
+Re-keying needs the same block size; the log line for each stream says its mode.
 
 Runs until SIGTERM or SIGINT, logging each stream's counters every --stats-interval.
 """
@@ -16,16 +32,36 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from router.events import DEFAULT_REPLAY_TIMEOUT_S, EventIndexer, ReplicaFeed, StreamStats
+from router.events import (
+    DEFAULT_REPLAY_TIMEOUT_S,
+    EventIndexer,
+    RekeyMode,
+    ReplicaFeed,
+    StreamStats,
+)
+from router.hashing import HashConfig
 from router.index import MemoryIndex, PrefixIndex, RedisIndex
 
+if TYPE_CHECKING:
+    from router.config import ReplicaConfig
+
 log = logging.getLogger(__name__)
+
+REKEY_SETTINGS = ("never", "always", "auto")
+DNS_TIMEOUT_S = 2.0
+
+# (host, port) -> addresses; the indexer resolves with getaddrinfo, tests pass their own.
+Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 
 @dataclass(frozen=True)
@@ -68,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a replica's KV-event endpoint (repeatable)")
     parser.add_argument("--model", help="model scope for --replica flags without model=")
     parser.add_argument("--config", help="gateway config file: index and replicas from it")
+    parser.add_argument("--rekey", choices=REKEY_SETTINGS, default="never",
+                        help="rekey mode for config replicas without their own rekey setting "
+                        "(default never; see the module docstring)")
     parser.add_argument("--stats-interval", type=float, default=30.0, metavar="SECONDS",
                         help="how often to log each stream's counters (default 30)")
     parser.add_argument("--replay-timeout", type=float, default=DEFAULT_REPLAY_TIMEOUT_S,
@@ -75,26 +114,166 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
 
 
-def _feeds_from_config(path: str) -> tuple[list[ReplicaFeed], str | None, str | None]:
-    """Feeds, index URL and Redis password from the gateway config."""
+def _url_host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+def dns_replica_id(address: str, port: int) -> str:
+    """A DNS-discovered replica's id, as the gateway names it: "ADDRESS:PORT"."""
+    return f"{_url_host(address)}:{port}"
+
+
+def endpoint_for(template: str, address: str) -> str:
+    """A replica's ZMQ endpoint at one resolved address ("{host}" or the host replaced)."""
+    host = _url_host(address)
+    if "{host}" in template:
+        return template.replace("{host}", host)
+    scheme, sep, rest = template.partition("://")
+    _, colon, port = rest.rpartition(":")
+    if not sep or not colon or not port.isdigit():
+        raise ValueError(f"{template!r}: expected tcp://HOST:PORT to take the port from")
+    return f"{scheme}://{host}:{port}"
+
+
+async def resolve_addresses(host: str, port: int) -> list[str]:
+    """Every distinct address `host` resolves to, sorted (stable stream ids)."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
+@dataclass(frozen=True)
+class DnsReplicas:
+    """A config replica given by DNS name: one feed per address it resolves to.
+
+    `feed` holds what every address shares (model, rekey); its endpoints are templates.
+    """
+
+    name: str
+    host: str
+    port: int  # the replicas' HTTP port: part of their ids
+    feed: ReplicaFeed
+    refresh_s: float
+
+    def feed_at(self, address: str) -> ReplicaFeed:
+        """The feed of the replica at `address`."""
+        replay = self.feed.replay_endpoint
+        return replace(self.feed, replica_id=dns_replica_id(address, self.port),
+                       endpoint=endpoint_for(self.feed.endpoint, address),
+                       replay_endpoint=endpoint_for(replay, address) if replay else None)
+
+
+class DnsFollower:
+    """Keeps the indexer's streams matched to fixed feeds plus what DNS names resolve to."""
+
+    def __init__(self, indexer: EventIndexer, static: Sequence[ReplicaFeed],
+                 sources: Sequence[DnsReplicas], *, resolver: Resolver = resolve_addresses,
+                 timeout_s: float = DNS_TIMEOUT_S) -> None:
+        self._indexer = indexer
+        self._static = list(static)
+        self._sources = list(sources)
+        self._resolver = resolver
+        self._timeout_s = timeout_s
+        self._known: dict[str, list[str]] = {}
+
+    @property
+    def interval_s(self) -> float | None:
+        """How often to re-resolve (the shortest dns_refresh_s), None without DNS replicas."""
+        return min((s.refresh_s for s in self._sources), default=None)
+
+    async def refresh(self) -> list[ReplicaFeed]:
+        """Resolve every DNS replica and sync the indexer's streams; returns the feeds."""
+        feeds = list(self._static)
+        for source in self._sources:
+            try:
+                addresses = await asyncio.wait_for(
+                    self._resolver(source.host, source.port), self._timeout_s)
+            except (OSError, TimeoutError) as exc:
+                # A DNS hiccup must not drop every stream (and clear their entries).
+                addresses = self._known.get(source.name, [])
+                log.warning("resolving %s failed (%s); keeping %d known addresses",
+                            source.host, exc, len(addresses))
+            if addresses != self._known.get(source.name):
+                log.info("replica %s: %s resolves to %s", source.name, source.host,
+                         ", ".join(addresses) or "nothing")
+            self._known[source.name] = addresses
+            feeds.extend(source.feed_at(a) for a in addresses)
+        await self._indexer.sync(feeds)
+        return feeds
+
+    async def run(self) -> None:
+        """Re-resolve every interval_s until cancelled (returns at once without DNS)."""
+        interval = self.interval_s
+        if interval is None:
+            return
+        while True:
+            await asyncio.sleep(interval)  # a refresh period, not synchronisation
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("refreshing DNS replicas failed; will retry")
+
+
+def rekey_setting(replica: ReplicaConfig, default: str) -> tuple[HashConfig | None, RekeyMode]:
+    """The (rekey config, mode) a config replica's stream runs with.
+
+    Reads the replica's `rekey` setting once router.config has one, else `default`.
+    """
+    setting = getattr(replica, "rekey", None) or default
+    if setting not in REKEY_SETTINGS:
+        raise ValueError(f"replica {replica.name}: rekey must be one of "
+                         f"{', '.join(REKEY_SETTINGS)}, got {setting!r}")
+    if setting == "never":
+        return None, "always"
+    return replica.hash, "auto" if setting == "auto" else "always"
+
+
+def describe_mode(feed: ReplicaFeed) -> str:
+    """How a feed's blocks are keyed, for the log."""
+    if feed.rekey is None:
+        return "rekey never (its keys are indexed as they are)"
+    c = feed.rekey
+    settings = f"block_size={c.block_size} hash_algo={c.algo} hash_seed={c.seed!r}"
+    if feed.rekey_mode == "auto":
+        return f"rekey auto (re-keyed with {settings} if its keys differ)"
+    return f"rekey always (every block re-keyed with {settings})"
+
+
+@dataclass(frozen=True)
+class ConfigFeeds:
+    """What the indexer reads from the gateway config."""
+
+    static: list[ReplicaFeed]
+    dns: list[DnsReplicas]
+    index_url: str | None
+    password: str | None
+
+
+def feeds_from_config(path: str, rekey_default: str = "never") -> ConfigFeeds:
+    """Feeds (fixed and DNS), index URL and Redis password from the gateway config."""
     from router.config import load_config  # the config stack is only needed here
 
     config = load_config(path, os.environ, [])
     served = sorted(config.served_models())
-    feeds: list[ReplicaFeed] = []
+    static: list[ReplicaFeed] = []
+    dns: list[DnsReplicas] = []
     for replica in config.replicas:
         if replica.kv_events is None:
-            continue
-        if replica.url is None:
-            log.warning("replica %s: KV events from DNS-discovered replicas are not "
-                        "supported by the indexer yet; skipping", replica.name)
             continue
         models = list(replica.models) or served
         if not models:
             raise SystemExit(f"replica {replica.name}: no model to index its blocks under")
-        feeds.append(ReplicaFeed(replica.name, replica.kv_events, models[0],
-                                 replay_endpoint=replica.kv_replay))
-    return feeds, config.index.backend, config.index.password
+        rekey, mode = rekey_setting(replica, rekey_default)
+        feed = ReplicaFeed(replica.name, replica.kv_events, models[0],
+                           replay_endpoint=replica.kv_replay, rekey=rekey, rekey_mode=mode)
+        if replica.url is not None:
+            static.append(feed)
+            continue
+        assert replica.dns is not None
+        host, _, port = replica.dns.rpartition(":")
+        endpoint_for(replica.kv_events, "0.0.0.0")  # fail now, not at the first resolution
+        dns.append(DnsReplicas(replica.name, host, int(port), feed, replica.dns_refresh_s))
+    return ConfigFeeds(static, dns, config.index.backend, config.index.password)
 
 
 def _format_stats(replica: str, s: StreamStats) -> str:
@@ -103,6 +282,8 @@ def _format_stats(replica: str, s: StreamStats) -> str:
             f"events={s.events_applied} gaps={s.gaps} replays={s.replays} "
             f"replay_failures={s.replay_failures} restarts={s.restarts} "
             f"decode_errors={s.decode_errors} index_errors={s.index_errors} "
+            f"probes={s.probes} key_check={s.key_check or '-'} "
+            f"rekey_misses={s.rekey_misses} rekey_unsupported={s.rekey_unsupported} "
             f"lag_s={'-' if lag is None else f'{lag:.3f}'}")
 
 
@@ -111,16 +292,22 @@ def _log_stats(indexer: EventIndexer) -> None:
         log.info("%s", _format_stats(replica, stats))
 
 
-async def _serve(feeds: list[ReplicaFeed], index: PrefixIndex, args: argparse.Namespace) -> int:
+async def _serve(feeds: list[ReplicaFeed], dns: list[DnsReplicas], index: PrefixIndex,
+                 args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     indexer = EventIndexer(index, replay_timeout_s=args.replay_timeout)
+    follower = DnsFollower(indexer, feeds, dns)
+    dns_task: asyncio.Task[None] | None = None
     try:
-        await indexer.sync(feeds)
-        log.info("indexing %d replica(s): %s", len(feeds),
-                 ", ".join(f"{f.replica_id}={f.endpoint}" for f in feeds))
+        current = await follower.refresh()
+        log.info("indexing %d replica(s): %s", len(current),
+                 ", ".join(f"{f.replica_id}={f.endpoint}" for f in current))
+        for feed in current:
+            log.info("replica %s: %s", feed.replica_id, describe_mode(feed))
+        dns_task = asyncio.create_task(follower.run(), name="dns")
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), args.stats_interval)
@@ -129,6 +316,10 @@ async def _serve(feeds: list[ReplicaFeed], index: PrefixIndex, args: argparse.Na
         log.info("stopping")
         _log_stats(indexer)  # the final counters, whatever the interval
     finally:
+        if dns_task is not None:
+            dns_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await dns_task
         await indexer.stop()
         await index.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -141,14 +332,17 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     feeds: list[ReplicaFeed] = []
+    dns: list[DnsReplicas] = []
     index_url: str | None = None
     password: str | None = None
     if args.config:
         try:
-            feeds, index_url, password = _feeds_from_config(args.config)
+            loaded = feeds_from_config(args.config, args.rekey)
         except ValueError as exc:  # router.config.ConfigError names the bad key
             print(f"{args.config}: {exc}", file=sys.stderr)
             return 2
+        feeds, dns = loaded.static, loaded.dns
+        index_url, password = loaded.index_url, loaded.password
     for spec in args.replica:
         model = spec.model or args.model
         if model is None:
@@ -160,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     if index_url is None:
         print("no index: give --index redis://... or --config", file=sys.stderr)
         return 2
-    if not feeds:
+    if not feeds and not dns:
         print("no replicas with KV events: give --replica or --config", file=sys.stderr)
         return 2
     index: PrefixIndex
@@ -173,4 +367,4 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"--index must be a redis:// URL or 'memory', got {index_url!r}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(feeds, index, args))
+    return asyncio.run(_serve(feeds, dns, index, args))

@@ -35,7 +35,7 @@ import aiohttp
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import RedisServer, free_port
+from servers import RedisServer, free_port
 from vllm_server import VllmServer, start_vllm_server
 
 from router.handshake import is_probe_salt
@@ -52,6 +52,7 @@ MODEL = "tiny"
 HASH = HashConfig("sha256", 32, "0")
 NAMES = ("vllm-a", "vllm-b")
 DEADLINE_S = 60.0  # a loaded 2-core machine: generous, polled
+MAX_TOKENS = 40  # more than a block: each answer caches at least one decode-filled block
 KEY_OF = {tenant: key for key, tenant in TENANT_KEYS.items()}
 
 
@@ -223,7 +224,9 @@ class Client:
     async def send(self, path: str, body: dict[str, Any], tenant: str = "alpha") -> Exchange:
         """Send through the gateway; check the prediction and tokens; wait until indexed."""
         endpoint: Endpoint = "chat" if path.endswith("chat/completions") else "completions"
-        body = {**body, "model": MODEL, "return_token_ids": True, "temperature": 0}
+        # ignore_eos: every answer fills decode blocks, whose keys the events must carry too.
+        body = {"max_tokens": MAX_TOKENS, **body, "model": MODEL, "return_token_ids": True,
+                "temperature": 0, "ignore_eos": True}
         ours = self.system.tokenizer.request_tokens(body, endpoint)
         async with self.session.post(
                 self.system.url + path, json=body,
@@ -311,7 +314,7 @@ async def test_multi_turn_chat_follows_its_history_and_predicts_vllms_hits(
         for turn in range(4):
             messages.append({"role": "user",
                              "content": f"Question {turn}: what follows from that, and why? " * 4})
-            ex = await c.send("/v1/chat/completions", {"messages": messages, "max_tokens": 8})
+            ex = await c.send("/v1/chat/completions", {"messages": messages})
             turns.append(ex)
             messages.append({"role": "assistant",
                              "content": ex.body["choices"][0]["message"]["content"]})
@@ -334,8 +337,7 @@ async def test_requests_sharing_a_system_prompt_hit_it_where_it_is_cached(
         for user in range(6):
             ex = await c.send("/v1/chat/completions", {"messages": [
                 {"role": "system", "content": system_prompt},
-                {"role": "user", "content": f"User {user} asks about item {user * 7}."}],
-                "max_tokens": 4})
+                {"role": "user", "content": f"User {user} asks about item {user * 7}."}]})
             if ex.replica in served:
                 # Its replica already holds the system prompt's blocks (at least those
                 # before the first token that differs: the user turn's header).
@@ -349,7 +351,7 @@ async def test_tenants_with_different_salts_get_no_hits_on_each_other(system: Sy
     since = await next_seqs(system)
     async with client(system) as c:
         prompt = f"{marker()}. " + "A shared document both tenants send, word for word. " * 10
-        body = {"prompt": prompt, "max_tokens": 4}
+        body = {"prompt": prompt}
         alpha = await c.send("/v1/completions", body, tenant="alpha")
         beta = await c.send("/v1/completions", body, tenant="beta")
         assert (beta.predicted, beta.cached) == (0, 0)

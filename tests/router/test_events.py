@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import RedisServer
+from servers import RedisServer
 
 from router.events import EventIndexer, ReplicaEventStream, ReplicaFeed
+from router.handshake import ObservedBlocks, compare, make_probe
 from router.hashing import BlockChain, HashConfig, LoraRef
 from router.index import MemoryIndex, PrefixIndex, RedisIndex
 from router.kv_events import (
@@ -585,3 +586,94 @@ async def test_vllms_own_publisher_is_followed_through_replay_and_restart(
     finally:
         await stream.stop()
         await asyncio.to_thread(publisher.shutdown)
+
+
+async def test_a_probe_is_kept_for_the_handshake_and_never_indexed(
+    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
+) -> None:
+    salt = "cacheroute-probe-0123"
+    tokens = list(range(50, 58))
+    async with subscribed(publisher, index, zctx) as stream:
+        await publisher.publish(stored([1, 2], tokens=tokens, extra_keys=[[salt], None]))
+        await publisher.publish(stored([3], parent=2))  # decode filled a block under it
+        await publisher.publish(stored([5], extra_keys=[["tenant-salt"]]), removed([3]))
+        await applied_up_to(stream, 2)
+        assert await index.get_probe(salt) == ObservedBlocks(4, (1, 2), tuple(tokens),
+                                                              replica="r1", rekeyed=False)
+        assert await index.lookup(MODEL, [1, 2, 3]) == {}
+        assert await index.lookup(MODEL, [5]) == {"r1": 1}
+        assert stream.stats.probes == 2
+        assert stream.stats.events_applied == 4
+
+
+async def test_auto_rekey_indexes_an_agreeing_replica_as_it_is(
+    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
+) -> None:
+    config = HashConfig("sha256", block_size=4, seed="0")
+    tokens = list(range(200, 212))
+    keys = BlockChain(config, tokens=tokens).event_keys()
+    async with subscribed(publisher, index, zctx, rekey=config, rekey_mode="auto") as stream:
+        await publisher.publish(stored(keys[:2], tokens=tokens[:8]))
+        # Parent stored before we subscribed: passthrough indexes it all the same.
+        await publisher.publish(stored([777], parent=999))
+        await publisher.publish(stored(keys[2:], parent=keys[1], tokens=tokens[8:]))
+        await applied_up_to(stream, 2)
+        assert stream.stats.key_check == "agree" and not stream.rekeying
+        assert await index.lookup(MODEL, keys) == {"r1": 3}
+        assert await index.lookup(MODEL, [777]) == {"r1": 1}
+        assert stream.stats.rekey_misses == 0
+        await publisher.publish(removed([keys[2]]))
+        await applied_up_to(stream, 3)
+        assert await index.lookup(MODEL, keys) == {"r1": 2}
+
+
+async def test_auto_rekey_turns_on_for_a_differing_replica_and_marks_its_probes(
+    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
+) -> None:
+    gateway = HashConfig("sha256", block_size=4, seed="0")
+    replica = HashConfig("sha256", block_size=4, seed="1")
+    tokens = list(range(300, 312))
+    theirs = BlockChain(replica, tokens=tokens).event_keys()
+    ours = BlockChain(gateway, tokens=tokens).event_keys()
+    probe = make_probe(4, vocab_size=500)
+    probe_keys = BlockChain(replica, cache_salt=probe.cache_salt,
+                            tokens=list(probe.token_ids)).event_keys()
+    async with subscribed(publisher, index, zctx, rekey=gateway, rekey_mode="auto") as stream:
+        assert not stream.rekeying  # undecided: nothing compared yet
+        await publisher.publish(stored(theirs[:2], tokens=tokens[:8]))
+        await publisher.publish(stored(theirs[2:], parent=theirs[1], tokens=tokens[8:]))
+        await publisher.publish(stored(probe_keys, tokens=probe.token_ids[:8],
+                                       extra_keys=[[probe.cache_salt], None]))
+        await applied_up_to(stream, 2)
+        assert stream.stats.key_check == "differ" and stream.rekeying
+        assert await index.lookup(MODEL, ours) == {"r1": 3}
+        assert await index.lookup(MODEL, theirs) == {}
+        observed = await index.get_probe(probe.cache_salt)
+        assert observed is not None and observed.rekeyed and observed.keys == tuple(probe_keys)
+        result = compare(probe, gateway, observed)
+        assert (result.verified, result.mismatch, result.rekeyed) == (False, "hash_seed", True)
+        assert result.routable_by_prefix
+        await publisher.publish(removed([theirs[2]]))
+        await applied_up_to(stream, 3)
+        assert await index.lookup(MODEL, ours) == {"r1": 2}
+
+
+async def test_auto_rekey_compares_again_after_the_replica_restarts(
+    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
+) -> None:
+    gateway = HashConfig("sha256", block_size=4, seed="0")
+    tokens = list(range(400, 408))
+    before = BlockChain(gateway, tokens=tokens).event_keys()
+    # Restarted with another PYTHONHASHSEED: its keys no longer agree.
+    after = BlockChain(HashConfig("sha256", block_size=4, seed="9"), tokens=tokens).event_keys()
+    async with subscribed(publisher, index, zctx, rekey=gateway, rekey_mode="auto") as stream:
+        await publisher.publish(stored(before, tokens=tokens))
+        await publisher.publish(removed([555]))  # (a restart shows as seq 0 after seq > 0)
+        await applied_up_to(stream, 1)
+        assert stream.stats.key_check == "agree"
+        publisher.restart()
+        await publisher.publish(stored(after, tokens=tokens))  # seq 0 again
+        await eventually(lambda: stream.stats.restarts == 1 and stream.stats.batches == 3)
+        assert stream.stats.key_check == "differ" and stream.rekeying
+        assert await index.lookup(MODEL, before) == {"r1": 2}  # re-keyed into our keys
+        assert await index.lookup(MODEL, after) == {}

@@ -9,9 +9,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-from conftest import RedisServer
+from servers import RedisServer
 
+from router.handshake import ObservedBlocks
 from router.index import (
+    IndexOp,
     IndexUnavailable,
     MemoryIndex,
     NearCache,
@@ -170,12 +172,17 @@ async def test_redis_and_memory_agree_on_random_operations(
     models, replicas = [MODEL, f"{MODEL}@sql"], ["r1", "r2", "r3"]
     try:
         for step in range(200):
-            op = rng.choice(["add", "add", "remove", "record", "clear"])
+            op = rng.choice(["add", "add", "remove", "record", "clear", "batch"])
             model, replica = rng.choice(models), rng.choice(replicas)
             chain = rng.choice(chains)
             tail = chain[rng.randrange(len(chain)):]
+            # A KV-event batch: adds and removes in several scopes, one apply() call.
+            batch = [IndexOp(rng.choice(["add", "remove"]), rng.choice(models),
+                             tuple(rng.choice(chains))) for _ in range(rng.randrange(1, 5))]
             for idx in (memory, redis_index):
-                if op == "add":
+                if op == "batch":
+                    await idx.apply(replica, batch)
+                elif op == "add":
                     await idx.add(model, replica, chain)
                 elif op == "remove":
                     await idx.remove(model, replica, tail)
@@ -333,3 +340,56 @@ def test_open_index_names_its_backend() -> None:
     assert isinstance(open_index("redis://127.0.0.1:1/0"), RedisIndex)
     with pytest.raises(ValueError, match="memory"):
         open_index("mysql://x")
+
+
+async def test_apply_writes_a_batch_as_the_separate_calls_would(index: PrefixIndex) -> None:
+    await index.add(MODEL, "r2", [1, 2])
+    await index.apply("r1", [
+        IndexOp("add", MODEL, (1, 2, 3, 4)),
+        IndexOp("add", f"{MODEL}@sql", (1, 2)),
+        IndexOp("remove", MODEL, (4,)),
+        IndexOp("remove", f"{MODEL}@sql", (2,)),
+        IndexOp("add", MODEL, (5,)),
+    ])
+    assert await index.lookup(MODEL, [1, 2, 3, 4]) == {"r1": 3, "r2": 2}
+    assert await index.lookup(f"{MODEL}@sql", [1, 2]) == {"r1": 1}
+    assert await index.lookup(MODEL, [5]) == {"r1": 1}
+    # A clear inside a batch drops what came before it, for this replica only.
+    await index.apply("r1", [IndexOp("add", MODEL, (9,)), IndexOp("clear"),
+                             IndexOp("add", MODEL, (1,))])
+    assert await index.lookup(MODEL, [1, 2, 3]) == {"r1": 1, "r2": 2}
+    assert await index.lookup(MODEL, [9]) == {}
+    assert await index.lookup(f"{MODEL}@sql", [1]) == {}
+    await index.apply("r1", [])  # an empty batch (a step with only ignored events)
+    assert await index.lookup(MODEL, [1]) == {"r1": 1, "r2": 1}
+
+
+async def test_redis_apply_survives_a_flushed_script_cache(redis_server: RedisServer) -> None:
+    index = RedisIndex.from_url(redis_server.url)
+    try:
+        await index.apply("r1", [IndexOp("add", MODEL, (1, 2))])
+        await index.client.script_flush()  # as after a Redis restart
+        await index.apply("r1", [IndexOp("add", MODEL, (3,)), IndexOp("remove", MODEL, (2,))])
+        assert await index.lookup(MODEL, [1, 2, 3]) == {"r1": 1}
+        assert await index.lookup(MODEL, [3]) == {"r1": 1}
+    finally:
+        await index.close()
+
+
+async def test_probe_observations_are_kept_by_salt_until_their_ttl(index: PrefixIndex) -> None:
+    await index.put_probe("cacheroute-probe-a", "r1", 4, [11, 12], list(range(9)), ttl_s=0.5,
+                          rekeyed=True)
+    await index.put_probe("cacheroute-probe-b", "r2", 4, [21], [1, 2, 3, 4], ttl_s=60)
+    assert await index.get_probe("cacheroute-probe-a") == ObservedBlocks(
+        4, (11, 12), tuple(range(9)), replica="r1", rekeyed=True)
+    assert await index.get_probe("cacheroute-probe-b") == ObservedBlocks(
+        4, (21,), (1, 2, 3, 4), replica="r2", rekeyed=False)
+    assert await index.get_probe("cacheroute-probe-c") is None
+    # Probes are not block entries: no lookup sees them.
+    assert await index.lookup(MODEL, [11, 12]) == {}
+
+    async def expired() -> bool:
+        return await index.get_probe("cacheroute-probe-a") is None
+
+    await eventually(expired)
+    assert await index.get_probe("cacheroute-probe-b") is not None

@@ -10,11 +10,21 @@ from pathlib import Path
 
 import pytest
 import zmq.asyncio
-from conftest import REPO, RedisServer
-from test_events import KvPublisher, eventually, removed, stored
+from servers import REPO, RedisServer
+from test_events import KvPublisher, applied_up_to, eventually, removed, stored
 
-from router.index import RedisIndex
-from router.indexer import parse_replica
+from router.events import EventIndexer, ReplicaFeed
+from router.hashing import BlockChain, HashConfig
+from router.index import MemoryIndex, RedisIndex
+from router.indexer import (
+    DnsFollower,
+    DnsReplicas,
+    dns_replica_id,
+    endpoint_for,
+    feeds_from_config,
+    parse_replica,
+)
+from router.replicas import ReplicaSource
 
 MODEL = "tiny"
 
@@ -138,3 +148,120 @@ def test_parse_replica_reads_every_option() -> None:
     assert (spec.name, spec.endpoint, spec.replay, spec.model, spec.topic) == (
         "r1", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", "m", "kv")
     assert parse_replica("r2=tcp://h:1").replay is None
+
+
+def test_dns_replicas_are_named_and_reached_as_the_gateway_names_them() -> None:
+    source = ReplicaSource(name="vllm", models=(MODEL,), hash_config=HashConfig(),
+                           dns="vllm.ns.svc:8000")
+    for address in ("10.0.0.5", "fd00::7"):
+        assert dns_replica_id(address, 8000) == source.target(address, 8000).replica_id
+    assert endpoint_for("tcp://{host}:5557", "10.0.0.5") == "tcp://10.0.0.5:5557"
+    assert endpoint_for("tcp://vllm.ns.svc:5557", "10.0.0.5") == "tcp://10.0.0.5:5557"
+    assert endpoint_for("tcp://vllm.ns.svc:5557", "fd00::7") == "tcp://[fd00::7]:5557"
+    with pytest.raises(ValueError, match="take the port"):
+        endpoint_for("ipc:///tmp/kv", "10.0.0.5")
+
+
+def test_config_replicas_get_their_rekey_mode_and_dns_sources(tmp_path: Path) -> None:
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        "index: redis://127.0.0.1:1/0\n"
+        "replicas:\n"
+        "  - {url: 'http://127.0.0.1:9', name: r1, models: [tiny], block_size: 4,\n"
+        "     hash_seed: '0', kv_events: 'tcp://127.0.0.1:5557'}\n"
+        "  - {dns: 'vllm.ns.svc:8000', models: [tiny], dns_refresh_s: 3,\n"
+        "     kv_events: 'tcp://{host}:5557', kv_replay: 'tcp://vllm.ns.svc:5558'}\n")
+    never = feeds_from_config(str(config))
+    assert [f.rekey for f in never.static] == [None]
+    auto = feeds_from_config(str(config), "auto")
+    (r1,) = auto.static
+    assert (r1.rekey, r1.rekey_mode) == (HashConfig("sha256", 4, "0"), "auto")
+    (dns,) = auto.dns
+    assert (dns.host, dns.port, dns.refresh_s) == ("vllm.ns.svc", 8000, 3.0)
+    feed = dns.feed_at("10.1.2.3")
+    assert (feed.replica_id, feed.endpoint, feed.replay_endpoint, feed.rekey_mode) == (
+        "10.1.2.3:8000", "tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558", "auto")
+    assert feeds_from_config(str(config), "always").static[0].rekey_mode == "always"
+
+
+async def test_dns_follower_tracks_the_resolved_set(publisher: KvPublisher) -> None:
+    """Streams follow what the name resolves to; a failed resolution keeps the last set.
+
+    The resolver is a stand-in: changing what a real name resolves to needs a DNS server.
+    """
+    answers: list[list[str] | OSError] = [["127.0.0.1"], OSError("SERVFAIL"), []]
+    asked: list[tuple[str, int]] = []
+
+    async def resolver(host: str, port: int) -> list[str]:
+        asked.append((host, port))
+        answer = answers.pop(0)
+        if isinstance(answer, OSError):
+            raise answer
+        return answer
+
+    port = publisher.endpoint.rsplit(":", 1)[1]
+    template = ReplicaFeed("vllm", f"tcp://vllm.ns.svc:{port}", MODEL,
+                           replay_endpoint=publisher.replay_endpoint.replace("127.0.0.1",
+                                                                             "{host}"))
+    index = MemoryIndex()
+    indexer = EventIndexer(index)
+    follower = DnsFollower(indexer, [], [DnsReplicas("vllm", "vllm.ns.svc", 8000, template, 5)],
+                           resolver=resolver)
+    try:
+        assert follower.interval_s == 5
+        feeds = await follower.refresh()
+        assert [(f.replica_id, f.endpoint) for f in feeds] == [
+            ("127.0.0.1:8000", publisher.endpoint)]
+        await publisher.wait_subscribed()
+        await publisher.publish(stored([1, 2]))
+        await applied_up_to(indexer.streams["127.0.0.1:8000"], 0)
+        assert await index.lookup(MODEL, [1, 2]) == {"127.0.0.1:8000": 2}
+        await follower.refresh()  # SERVFAIL: keep following the known address
+        assert set(indexer.streams) == {"127.0.0.1:8000"}
+        assert await index.lookup(MODEL, [1, 2]) == {"127.0.0.1:8000": 2}
+        await follower.refresh()  # the address is gone: its stream and entries go too
+        assert indexer.streams == {}
+        assert await index.lookup(MODEL, [1, 2]) == {}
+        assert asked == [("vllm.ns.svc", 8000)] * 3
+    finally:
+        await indexer.stop()
+
+
+async def test_indexer_follows_a_dns_replica_and_rekeys_it(
+    publisher: KvPublisher, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A real name (localhost), a replica seeded unlike its config: --rekey auto fixes it."""
+    configured = HashConfig("sha256", block_size=4, seed="0")
+    actual = HashConfig("sha256", block_size=4, seed="1")
+    tokens = list(range(40, 52))
+    theirs = BlockChain(actual, tokens=tokens).event_keys()
+    ours = BlockChain(configured, tokens=tokens).event_keys()
+    port = publisher.endpoint.rsplit(":", 1)[1]
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        f"index: {redis_server.url}\n"
+        "replicas:\n"
+        f"  - {{dns: 'localhost:8123', models: [{MODEL}], block_size: 4, hash_seed: '0',\n"
+        f"     kv_events: 'tcp://localhost:{port}', kv_replay: '{publisher.replay_endpoint}'}}\n")
+    index = RedisIndex.from_url(redis_server.url)
+    proc = await start_indexer("--config", str(config), "--rekey", "auto")
+    try:
+        async with asyncio.timeout(30):
+            await publisher.wait_subscribed()
+        await publisher.publish(stored(theirs[:2], tokens=tokens[:8]))
+        await publisher.publish(stored(theirs[2:], parent=theirs[1], tokens=tokens[8:]))
+
+        async def indexed() -> bool:
+            return await index.lookup(MODEL, ours, deadline_s=1.0) == {"127.0.0.1:8123": 3}
+
+        await eventually(indexed, deadline_s=15)
+        assert await index.lookup(MODEL, theirs, deadline_s=1.0) == {}
+        code, log = await stop_indexer(proc)
+        assert code == 0, log
+        assert "replica 127.0.0.1:8123: rekey auto" in log, log
+        assert "key_check=differ" in log, log
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await index.close()
