@@ -310,7 +310,9 @@ def test_indexer_feeds_every_replica_under_the_gateways_replica_ids(
     for name, value in resolve_env(container(objs, "indexer"), known).items():
         monkeypatch.setenv(name, value)
     # The indexer's own reading of its config (python -m router indexer --config ...).
-    feeds, index_url, password = router.indexer._feeds_from_config(str(files["indexer.yaml"]))
+    read = router.indexer.feeds_from_config(str(files["indexer.yaml"]))
+    feeds, index_url, password = read.static, read.index_url, read.password
+    assert read.dns == []  # the default discovery lists each pod by its stable name
     assert [(f.replica_id, f.endpoint, f.replay_endpoint, f.model) for f in feeds] == [
         (t.replica_id, t.kv_events, t.kv_replay, "llama-3.1-8b-instruct") for t in targets]
     assert len(feeds) == 3
