@@ -1,0 +1,258 @@
+"""The comparison report: results.json, a Markdown table and PNG plots.
+
+One row per policy, TTFT always beside hit rate: a policy that raises the hit rate by
+piling every request on one replica shows its cost in the TTFT tail and the imbalance
+column. The oracle bounds (oracle.py) say how much reuse the stream offered at all.
+
+Times are what the client measured; when the sims ran faster than real time
+(`time_scale` > 1) they are multiplied back into simulated seconds, and the report
+says so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loadgen.driver import RequestRecord, RunResult
+from loadgen.oracle import OracleBounds
+
+
+@dataclass
+class PolicyRun:
+    """One policy's run of the workload, and what it ran against."""
+
+    policy: str
+    result: RunResult
+    replicas: Sequence[str]
+    oracle: OracleBounds | None = None
+    note: str = ""
+    # Requests each replica served, counted at the replicas (their TTFT histograms); used
+    # when the router names no replica per response (vllm-router sets no header).
+    replica_counts: dict[str, int] | None = None
+
+    def requests_per_replica(self) -> dict[str, int]:
+        """Requests per replica: from response headers, else from the replicas' counts."""
+        per = Counter(r.replica for r in self.result.records if r.replica)
+        if not per and self.replica_counts is not None:
+            return {name: self.replica_counts.get(name, 0) for name in self.replicas}
+        return {name: per.get(name, 0) for name in self.replicas}
+
+
+@dataclass
+class ReportFiles:
+    """Paths the report wrote."""
+
+    results_json: Path
+    table_md: Path
+    plots: list[Path] = field(default_factory=list)
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(run: PolicyRun, time_scale: float = 1.0) -> dict[str, Any]:
+    """The table row of one policy: latency percentiles, throughput, hits, balance."""
+    done = run.result.completed()
+    ttft = [r.ttft_s * time_scale for r in done if r.ttft_s is not None]
+    e2e = [r.e2e_s * time_scale for r in done if r.e2e_s is not None]
+    itl = [g * time_scale for r in done for g in r.itl_s]
+    wall = run.result.wall_s * time_scale
+    reported = [r for r in done if r.prompt_tokens is not None and r.cached_tokens is not None]
+    prompt = sum(r.prompt_tokens or 0 for r in reported)
+    cached = sum(r.cached_tokens or 0 for r in reported)
+    per_replica = Counter(r.replica for r in run.result.records if r.replica)
+    counts = list(run.requests_per_replica().values())
+    unknown = sum(n for name, n in per_replica.items() if name not in run.replicas)
+    mean = sum(counts) / len(counts) if counts and sum(counts) else 0.0
+    row: dict[str, Any] = {
+        "policy": run.policy,
+        "requests": len(run.result.records),
+        "completed": len(done),
+        "errors": len(run.result.records) - len(done),
+        "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90), "ttft_p99_s": _pct(ttft, 99),
+        "ttft_mean_s": float(np.mean(ttft)) if ttft else None,
+        "e2e_p50_s": _pct(e2e, 50), "e2e_p99_s": _pct(e2e, 99),
+        "itl_p50_s": _pct(itl, 50),
+        "throughput_rps": len(done) / wall if wall > 0 else None,
+        "output_tps": sum(r.output_tokens for r in done) / wall if wall > 0 else None,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else None,
+        "hit_rate_reported_by": len(reported),
+        "requests_per_replica": dict(zip(run.replicas, counts, strict=True)),
+        "unattributed_requests": unknown,
+        "imbalance_max_over_mean": max(counts) / mean if mean else None,
+        # The gateway's own expectation (x-cacheroute-predicted-cached-tokens): how well
+        # its index tracked the replicas' caches.
+        "predicted_cached_tokens": (
+            sum(r.predicted_cached_tokens or 0 for r in reported)
+            if any(r.predicted_cached_tokens is not None for r in reported) else None),
+        "answers_substituted": sum(1 for r in done if not r.answer_from_server),
+        "wall_s": run.result.wall_s,
+        "note": run.note,
+    }
+    if run.oracle is not None:
+        row.update({f"oracle_{k}": v for k, v in run.oracle.as_dict().items()})
+    return row
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}"
+
+
+def _pct_str(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def _num(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Per policy: TTFT, E2E, throughput, hit rate beside the oracle bounds, imbalance, errors."""
+    head = ("| policy | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms "
+            "| req/s | out tok/s | hit rate | oracle pooled | oracle unlimited "
+            "| imbalance max/mean | errors |")
+    lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
+    for r in rows:
+        lines.append(
+            f"| {r['policy']} | {_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p90_s'])} "
+            f"| {_ms(r['ttft_p99_s'])} | {_ms(r['e2e_p50_s'])} | {_ms(r['e2e_p99_s'])} "
+            f"| {_num(r['throughput_rps'])} | {_num(r['output_tps'], 1)} "
+            f"| {_pct_str(r['hit_rate'])} | {_pct_str(r.get('oracle_pooled_hit_rate'))} "
+            f"| {_pct_str(r.get('oracle_unlimited_hit_rate'))} "
+            f"| {_num(r['imbalance_max_over_mean'])} | {r['errors']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _plots(runs: Sequence[PolicyRun], out: Path, time_scale: float) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on a server
+    import matplotlib.pyplot as plt
+
+    paths: list[Path] = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        ttft = sorted(r.ttft_s * time_scale * 1000 for r in run.result.completed()
+                      if r.ttft_s is not None)
+        if ttft:
+            ax.step(ttft, np.arange(1, len(ttft) + 1) / len(ttft), where="post", label=run.policy)
+    ax.set_xlabel("TTFT (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF per policy")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    paths.append(out / "ttft_cdf.png")
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+    fig, (ax_hit, ax_ttft) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True)
+    for run in runs:
+        times, hits, ttfts = _over_time(run.result.records, time_scale)
+        ax_hit.plot(times, hits, label=run.policy, marker=".")
+        ax_ttft.plot(times, ttfts, label=run.policy, marker=".")
+    ax_hit.set_ylabel("hit rate (window)")
+    ax_hit.set_ylim(0, 1)
+    ax_ttft.set_ylabel("mean TTFT ms (window)")
+    ax_ttft.set_xlabel("seconds since start (when sent)")
+    ax_hit.set_title("hit rate and TTFT over time")
+    for a in (ax_hit, ax_ttft):
+        a.grid(alpha=0.3)
+    ax_hit.legend()
+    paths.append(out / "over_time.png")
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = sorted({n for run in runs for n in run.replicas})
+    width = 0.8 / max(len(runs), 1)
+    for i, run in enumerate(runs):
+        counts = run.requests_per_replica()
+        ax.bar(np.arange(len(names)) + i * width, [counts.get(n, 0) for n in names],
+               width=width, label=run.policy)
+    ax.set_xticks(np.arange(len(names)) + width * (len(runs) - 1) / 2, names)
+    ax.set_ylabel("requests")
+    ax.set_title("requests per replica")
+    # Beside the axes: with many policies a legend inside hides the tallest bars.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    paths.append(out / "requests_per_replica.png")
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def _over_time(records: Sequence[RequestRecord], time_scale: float,
+               windows: int = 12) -> tuple[list[float], list[float], list[float]]:
+    """Hit rate and mean TTFT in equal windows of send time."""
+    done = [r for r in records if r.ok and r.ttft_s is not None]
+    if not done:
+        return [], [], []
+    end = max(r.sent_s for r in done) or 1.0
+    width = end / windows
+    times, hits, ttfts = [], [], []
+    for w in range(windows):
+        lo, hi = w * width, (w + 1) * width
+        inside = [r for r in done if lo <= r.sent_s < hi or (w == windows - 1 and r.sent_s == end)]
+        if not inside:
+            continue
+        prompt = sum(r.prompt_tokens or 0 for r in inside)
+        cached = sum(r.cached_tokens or 0 for r in inside)
+        times.append((lo + hi) / 2 * time_scale)
+        hits.append(cached / prompt if prompt else math.nan)
+        ttfts.append(float(np.mean([r.ttft_s or 0.0 for r in inside])) * time_scale * 1000)
+    return times, hits, ttfts
+
+
+def write_report(out: Path, runs: Sequence[PolicyRun], meta: dict[str, Any],
+                 time_scale: float = 1.0, plots: bool = True) -> ReportFiles:
+    """Write results.json, report.md and the plots into `out`; returns their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [summarize(run, time_scale) for run in runs]
+    results = {
+        "meta": {**meta, "time_scale": time_scale},
+        "policies": rows,
+        "requests": {run.policy: [r.summary() for r in run.result.records] for run in runs},
+    }
+    results_json = out / "results.json"
+    results_json.write_text(json.dumps(results, indent=1) + "\n")
+    table = markdown_table(rows)
+    lines = ["# Routing policy comparison", ""]
+    for key, value in meta.items():
+        lines.append(f"- {key}: {value}")
+    if time_scale != 1.0:
+        lines.append(f"- times: the sims ran {time_scale:g}x faster than real time; every time "
+                     f"below is the client's measurement x {time_scale:g} (simulated seconds)")
+    lines += ["", table]
+    lines.append("hit rate: tokens served from cache / prompt tokens, from the servers' usage "
+                 "(cached_tokens). oracle pooled: one LRU cache of the fleet's total size; "
+                 "oracle unlimited: a cache that never evicts; both replay the same stream "
+                 "one request at a time (oracle.py). imbalance: max/mean requests per replica.")
+    notes = [f"- {row['policy']}: {row['note']}" for row in rows if row["note"]]
+    subs = [row for row in rows if row["answers_substituted"]]
+    if subs:
+        notes += [f"- {row['policy']}: {row['answers_substituted']} answers were not returned "
+                  "as token ids; the workload's own answer was resent instead" for row in subs]
+    blind = [row for row in rows
+             if row["predicted_cached_tokens"] == 0 and row["cached_tokens"] > 0]
+    notes += [f"- {row['policy']}: the gateway predicted no cached tokens for any request "
+              "while the replicas served some: its index saw no KV events" for row in blind]
+    if notes:
+        lines += ["", "Notes:", "", *notes]
+    files = ReportFiles(results_json, out / "report.md")
+    if plots:
+        files.plots = _plots(runs, out, time_scale)
+        lines += ["", *[f"![{p.stem}]({p.name})" for p in files.plots]]
+    files.table_md.write_text("\n".join(lines) + "\n")
+    return files

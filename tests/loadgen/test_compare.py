@@ -1,0 +1,122 @@
+"""One small compare run end to end: 2 sims, a private redis-server, 2 gateways."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from loadgen.compare import add_arguments, build_workload, gateway_config, run_comparison
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_compare_two_policies_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "report"
+    args = _args(
+        "--replicas", "2", "--policies", "round_robin,cache_aware", "--vllm-router", "none",
+        "--index", "redis", "--workload", "chat", "--requests", "9", "--conversations", "3",
+        "--shared-prefix-tokens", "64", "--question-tokens", "16", "--answer-tokens", "4",
+        "--concurrency", "1", "--kv-tokens", "4096", "--max-model-len", "1024",
+        "--model-dir", str(tiny_model_dir), "--out", str(out), "--deadline-s", "120",
+        "--no-plots")
+    comparison = run_comparison(args)
+    assert comparison.index.startswith("redis://127.0.0.1:")
+    assert not comparison.index.endswith(":6379/0")
+    data = json.loads((out / "results.json").read_text())
+    rows = {row["policy"]: row for row in data["policies"]}
+    assert list(rows) == ["round_robin", "cache_aware"]
+    for row in rows.values():
+        assert row["completed"] == 9 and row["errors"] == 0
+        assert row["prompt_tokens"] == 3 * 80 + 3 * 100 + 3 * 120
+        assert sum(row["requests_per_replica"].values()) == 9
+        assert row["unattributed_requests"] == 0
+        assert row["answers_substituted"] == 0
+        # The indexer fed the Redis index from the sims' KV events: the gateway expected hits.
+        assert 0 < row["predicted_cached_tokens"] <= row["cached_tokens"] + 9 * 16
+        # Unlimited cache, stream order: first turns 0, 64, 64 (4 system blocks); second
+        # turns 80 each (5 blocks of 83 computed tokens); third turns 96 each.
+        assert row["oracle_unlimited_hit_rate"] == pytest.approx(656 / 900)
+        assert row["oracle_pooled_hit_rate"] == pytest.approx(656 / 900)
+    # Round robin alternates the two replicas, request i on replica i % 2, while request i
+    # is turn i // 3 of conversation i % 3: worked through by hand, 0 + 0 + 64 * 4 (the
+    # system prompt) + 80 * 3 (each third turn finds its own first turn) = 496 tokens.
+    rr = rows["round_robin"]
+    assert sorted(rr["requests_per_replica"].values()) == [4, 5]
+    assert rr["cached_tokens"] == 496
+    assert rows["cache_aware"]["cached_tokens"] >= rr["cached_tokens"]
+    md = (out / "report.md").read_text()
+    assert "| round_robin |" in md and "| cache_aware |" in md
+    assert "index: redis" in md
+
+
+def test_gateway_config_exposes_routing_and_names_replicas() -> None:
+    from loadgen.compare import Fleet, Replica
+
+    fleet = Fleet([Replica("sim-0", "http://127.0.0.1:1", "tcp://127.0.0.1:2", None)],
+                  block_size=32, blocks_per_replica=10, max_model_len=512, stop=lambda: None)
+    cfg = gateway_config("least_loaded", fleet, 9000, "memory", Path("/m"), 5,
+                         {"base_s": 0.1, "per_token_s": 0.2, "per_token_context_s": 0.0})
+    assert cfg["proxy"]["expose_routing_headers"] is True
+    assert cfg["policy"]["name"] == "least_loaded" and cfg["policy"]["seed"] == 5
+    assert cfg["replicas"][0]["name"] == "sim-0"
+    assert cfg["replicas"][0]["block_size"] == 32
+    assert cfg["replicas"][0]["hash_seed"] == "5"
+
+
+def test_workload_flags_pick_per_workload_defaults() -> None:
+    agent = build_workload(_args("--out", "x", "--workload", "agent", "--conversations", "2",
+                                 "--turns", "3"))
+    assert len(agent.plan()) == 6
+    assert agent.describe()["prefix_tokens"] == 480 + 24 * 180
+    groups = build_workload(_args("--out", "x", "--workload", "groups", "--requests", "5",
+                                  "--groups", "2", "--users", "2"))
+    assert groups.describe()["prefix_tokens"] == 6000
+    trace = build_workload(_args("--out", "x", "--workload", "trace", "--requests", "20",
+                                 "--max-model-len", "8192", "--answer-tokens", "32"))
+    described = trace.describe()
+    assert described["max_input_tokens"] == 8192 - 1 - 32
+    assert described["requests"] == 20
+
+
+def test_demo_runs_the_agent_workload_under_three_policies() -> None:
+    from loadgen import demo
+    from loadgen.compare import parse_policies
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    cargs = _args(*demo.compare_argv(parser.parse_args(["--out", "o"])))
+    assert parse_policies(cargs) == ["round_robin", "least_loaded", "cache_aware"]
+    assert cargs.replicas == 4 and cargs.index == "auto" and cargs.time_scale == 1.0
+    workload = build_workload(cargs)
+    assert workload.describe()["prefix_tokens"] == 4800
+    assert len(workload.plan()) == 64
+
+
+@pytest.mark.vllm
+def test_compare_on_a_real_vllm_replica(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "report"
+    args = _args(
+        "--replica-kind", "vllm", "--replicas", "1", "--policies", "round_robin",
+        "--vllm-router", "none", "--index", "memory", "--workload", "chat",
+        "--requests", "6", "--conversations", "2", "--shared-prefix-tokens", "100",
+        "--question-tokens", "20", "--answer-tokens", "8", "--concurrency", "1",
+        "--block-size", "32", "--kv-tokens", "8192", "--max-model-len", "2048",
+        "--model-dir", str(tiny_model_dir), "--out", str(out), "--deadline-s", "120",
+        "--no-plots")
+    run_comparison(args)
+    data = json.loads((out / "results.json").read_text())
+    records = data["requests"]["round_robin"]
+    assert [r["error"] for r in records] == [None] * 6
+    assert [r["prompt_tokens"] for r in records] == [120, 120, 148, 148, 176, 176]
+    # Block size 32: the 100-token system prompt fills 3 blocks (96); turn 1 finds turn 0's
+    # 127 computed tokens (120 + 8 - 1) = 3 blocks; turn 2 finds 155 = 4 blocks (128).
+    assert [r["cached_tokens"] for r in records] == [0, 96, 96, 96, 128, 128]
+    assert all(r["answer_from_server"] for r in records)
+    assert data["policies"][0]["oracle_unlimited_hit_rate"] == pytest.approx(544 / 888)

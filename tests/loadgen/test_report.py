@@ -1,0 +1,100 @@
+"""The report's figures from hand-made records, and the files it writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadgen.driver import RequestRecord, RunResult
+from loadgen.oracle import OracleRequest, bounds
+from loadgen.report import PolicyRun, markdown_table, summarize, write_report
+
+
+def _rec(i: int, replica: str | None, sent: float, ttft: float, e2e: float, prompt: int,
+         cached: int, out: int = 4, error: str | None = None) -> RequestRecord:
+    r = RequestRecord(index=i, request_id=f"req-{i}", conversation_id=f"c{i}", turn=0,
+                      scheduled_s=None, sent_s=sent, prompt_len=prompt, max_tokens=out,
+                      prompt_tokens=prompt, cached_tokens=cached, output_tokens=out,
+                      replica=replica, status=200, answer_from_server=True)
+    if error is None:
+        r.first_token_s = sent + ttft
+        r.end_s = sent + e2e
+        r.chunk_times_s = [sent + ttft, sent + ttft + 0.01, sent + ttft + 0.03]
+    else:
+        r.error = error
+    return r
+
+
+def _run() -> RunResult:
+    records = [
+        _rec(0, "r0", 0.0, 0.100, 0.200, 100, 0),
+        _rec(1, "r0", 0.5, 0.020, 0.120, 100, 80),
+        _rec(2, "r0", 1.0, 0.030, 0.130, 100, 80),
+        _rec(3, "r1", 1.5, 0.040, 0.140, 100, 0),
+        _rec(4, None, 2.0, 0.0, 0.0, 100, 0, error="HTTP 503: no replica"),
+    ]
+    return RunResult(records=records, wall_s=2.0, started_unix=0.0)
+
+
+def test_summary_row_figures() -> None:
+    row = summarize(PolicyRun("cache_aware", _run(), replicas=["r0", "r1", "r2"]))
+    assert row["requests"] == 5 and row["completed"] == 4 and row["errors"] == 1
+    assert row["prompt_tokens"] == 400 and row["cached_tokens"] == 160
+    assert row["hit_rate"] == pytest.approx(0.4)
+    assert row["ttft_p50_s"] == pytest.approx(0.035)       # median of 20, 30, 40, 100 ms
+    assert row["ttft_mean_s"] == pytest.approx(0.0475)
+    assert row["e2e_p50_s"] == pytest.approx(0.135)
+    assert row["itl_p50_s"] == pytest.approx(0.015)         # gaps 10 and 20 ms per request
+    assert row["throughput_rps"] == pytest.approx(2.0)      # 4 completed in 2 s
+    assert row["output_tps"] == pytest.approx(8.0)
+    assert row["requests_per_replica"] == {"r0": 3, "r1": 1, "r2": 0}
+    # Mean over all three replicas (4/3), the idle one included: 3 / (4/3).
+    assert row["imbalance_max_over_mean"] == pytest.approx(2.25)
+
+
+def test_time_scale_converts_to_simulated_seconds() -> None:
+    row = summarize(PolicyRun("x", _run(), replicas=["r0", "r1"]), time_scale=10.0)
+    assert row["ttft_p50_s"] == pytest.approx(0.35)
+    assert row["throughput_rps"] == pytest.approx(0.2)
+
+
+def test_report_files(tmp_path: Path) -> None:
+    oracle = bounds([OracleRequest([1, 2, 3, 4, 5]), OracleRequest([1, 2, 3, 4, 6])],
+                    block_size=4, fleet_blocks=8)
+    runs = [PolicyRun("round_robin", _run(), ["r0", "r1"], oracle),
+            PolicyRun("cache_aware", _run(), ["r0", "r1"], oracle, note="a note")]
+    files = write_report(tmp_path / "out", runs, {"workload": "test"})
+    assert files.results_json.exists() and files.table_md.exists()
+    assert sorted(p.name for p in files.plots) == [
+        "over_time.png", "requests_per_replica.png", "ttft_cdf.png"]
+    for p in files.plots:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads(files.results_json.read_text())
+    assert [row["policy"] for row in data["policies"]] == ["round_robin", "cache_aware"]
+    assert data["policies"][0]["oracle_unlimited_hit_rate"] == pytest.approx(4 / 10)
+    assert len(data["requests"]["cache_aware"]) == 5
+    assert "prompt_token_ids" not in data["requests"]["cache_aware"][0]
+    md = files.table_md.read_text()
+    assert "| cache_aware | 35.0 | " in md
+    assert "40.0% | 40.0% | 40.0% |" in md   # hit rate, oracle pooled, oracle unlimited
+    assert "- cache_aware: a note" in md
+
+
+def test_table_has_one_row_per_policy_and_matching_columns() -> None:
+    rows = [summarize(PolicyRun(p, _run(), ["r0", "r1"])) for p in ("a", "b")]
+    lines = markdown_table(rows).splitlines()
+    assert len(lines) == 4
+    assert len({line.count("|") for line in lines}) == 1
+
+
+def test_replica_counts_stand_in_when_the_router_names_no_replica() -> None:
+    run = _run()
+    for r in run.records:
+        r.replica = None
+    row = summarize(PolicyRun("vllm-router:x", run, ["r0", "r1"],
+                              replica_counts={"r0": 1, "r1": 3}))
+    assert row["requests_per_replica"] == {"r0": 1, "r1": 3}
+    assert row["imbalance_max_over_mean"] == pytest.approx(1.5)
+    assert row["predicted_cached_tokens"] is None
