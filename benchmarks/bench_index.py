@@ -6,12 +6,19 @@ Without --redis it starts its own redis-server on a free loopback port (and stop
 For each chain length it times one lookup of a chain that replica r0 holds in full
 (the worst case: the walk cannot stop early) while r1..r3 hold shorter prefixes, with:
 
-  (a) pipeline  one HGETALL per block in a single redis-py pipeline, walked in Python
-  (b) lua       RedisIndex.lookup: one EVALSHA that walks the chain inside Redis
-  (c) memory    MemoryIndex.lookup
-  (d) near      NearCache over RedisIndex, a repeated lookup (a cache hit)
+  (a) pipeline     one HGETALL per block in a single redis-py pipeline, walked in Python
+  (b) lua walk     RedisIndex(lookup_strategy="walk"): one EVALSHA walking the chain
+                   inside Redis, one HMGET per block
+  (c) lua bisect   RedisIndex.lookup (the default): one EVALSHA bisecting each holder's
+                   run, O(log n) HGETs
+  (c2) verified    the same after a remove raised every holder's hole flag: the bisected
+                   runs are then verified, one ZMSCORE per 1,024 blocks
+  (d) mem walk     MemoryIndex(lookup_strategy="walk").lookup
+  (e) mem bisect   MemoryIndex.lookup (the default)
+  (f) near         NearCache over RedisIndex, a repeated lookup (a cache hit)
 
-and the latency of RedisIndex.record for the same chain. Then Redis memory per block
+and the latency of RedisIndex.record for the same chain (in another model scope: a
+replica holding entries that expire is walked, see router/index.py). Then Redis memory per block
 entry: INFO memory before and after indexing N blocks for one replica, and for more
 replicas holding the same blocks. Last, how many KV-event batches per second one
 ReplicaEventStream applies to each backend (real ZMQ on loopback): memory, Redis with a
@@ -121,38 +128,54 @@ async def timed(fns: Sequence[Callable[[], Awaitable[object]]], repeat: int
 async def bench_lookups(url: str, repeat: int) -> None:
     redis_index = RedisIndex.from_url(url, lookup_timeout_s=10, op_timeout_s=30,
                                       socket_timeout_s=30)
+    redis_walk = RedisIndex.from_url(url, lookup_timeout_s=10, op_timeout_s=30,
+                                     socket_timeout_s=30, lookup_strategy="walk")
     near = NearCache(redis_index, ttl_s=60)
     memory = MemoryIndex()
+    memory_walk = MemoryIndex(lookup_strategy="walk")
     try:
         print(f"lookup latency, ms (median / p99 of {repeat}); r0 holds the whole chain")
-        header = f"{'blocks':>7} | {'(a) pipeline':>15} | {'(b) lua':>15} | " \
-                 f"{'(c) memory':>15} | {'(d) near hit':>15} | {'record (lua)':>15}"
+        header = f"{'blocks':>7} | {'(a) pipeline':>15} | {'(b) lua walk':>15} | " \
+                 f"{'(c) lua bisect':>15} | {'(c2) verified':>15} | " \
+                 f"{'(d) mem walk':>15} | {'(e) mem bisect':>15} | " \
+                 f"{'(f) near hit':>15} | {'record (lua)':>15}"
         print(header)
         print("-" * len(header))
         for n in CHAIN_LENGTHS:
             base = n * 1_000_003  # disjoint key ranges per chain length
             chain = list(range(base, base + n))
-            for idx in (redis_index, memory):
+            for idx in (redis_index, memory, memory_walk):
                 await idx.add(MODEL, "r0", chain)
                 await idx.add(MODEL, "r1", chain[: n // 2])
                 await idx.add(MODEL, "r2", chain[: n // 4])
                 await idx.add(MODEL, "r3", chain[: n // 8])
+            holed = f"{MODEL}-holed"
+            for r, size in (("r0", n), ("r1", n // 2), ("r2", n // 4), ("r3", n // 8)):
+                await redis_index.add(holed, r, chain[:size])
+                await redis_index.remove(holed, r, [0])  # not in the chain: only the flag
             expect = {"r0": n, "r1": n // 2, "r2": n // 4, "r3": n // 8}
+            assert await redis_index.lookup(holed, chain) == expect
             assert await pipeline_lookup(redis_index, MODEL, chain) == expect
+            assert await redis_walk.lookup(MODEL, chain) == expect
             assert await redis_index.lookup(MODEL, chain) == expect
+            assert await memory_walk.lookup(MODEL, chain) == expect
             assert await memory.lookup(MODEL, chain) == expect
             assert await near.lookup(MODEL, chain) == expect
             results = await timed([
                 partial(pipeline_lookup, redis_index, MODEL, chain),
+                partial(redis_walk.lookup, MODEL, chain),
                 partial(redis_index.lookup, MODEL, chain),
+                partial(redis_index.lookup, holed, chain),
+                partial(memory_walk.lookup, MODEL, chain),
                 partial(memory.lookup, MODEL, chain),
                 partial(near.lookup, MODEL, chain),
-                partial(redis_index.record, MODEL, "rw", chain, 600),
+                partial(redis_index.record, f"{MODEL}-record", "rw", chain, 600),
             ], repeat)
             cells = [f"{m:7.3f} / {p:6.3f}" for m, p in results]
             print(f"{n:>7} | " + " | ".join(cells))
     finally:
         await redis_index.close()
+        await redis_walk.close()
 
 
 async def used_memory(index: RedisIndex) -> int:

@@ -26,6 +26,11 @@ as the stream's bookkeeping:
 A payload that fails to decode is counted and skipped; its sequence number still counts
 as received (its events are lost, as a dropped message's would be).
 
+Each add names the parent of its first block (the event's parent_block_hash, re-keyed
+if need be), so the index can tell a run stored behind a hole (a batch lost to a decode
+error, or stored before we subscribed) and keep its bisecting lookup exact
+(router/index.py).
+
 BlockRemoved carries no LoRA name, so the scope ("model@lora") of each LoRA block is
 remembered per replica until it is removed; base-model blocks need no bookkeeping.
 
@@ -149,14 +154,18 @@ class _Plan:
     probes: list[_ProbeSeen] = field(default_factory=list)
     applied: int = 0
 
-    def push(self, kind: Literal["add", "remove"], scope: str, keys: Sequence[int]) -> None:
+    def push(self, kind: Literal["add", "remove"], scope: str, keys: Sequence[int],
+             parent: int | None = None) -> None:
         # Consecutive events of one kind and scope become one index write (vLLM sends
-        # one BlockRemoved per evicted block); order across kinds is kept.
-        if self.ops and self.ops[-1].kind == kind and self.ops[-1].scope == scope:
-            last = self.ops[-1]
-            self.ops[-1] = IndexOp(kind, scope, last.keys + tuple(keys))
+        # one BlockRemoved per evicted block); order across kinds is kept. An add keeps
+        # its parent (the index checks that the replica holds it), so it joins the last
+        # add only as a chain root or that add's continuation.
+        last = self.ops[-1] if self.ops else None
+        if last is not None and last.kind == kind and last.scope == scope and (
+                kind == "remove" or parent is None or parent == last.keys[-1]):
+            self.ops[-1] = IndexOp(kind, scope, last.keys + tuple(keys), last.parent)
         else:
-            self.ops.append(IndexOp(kind, scope, tuple(keys)))
+            self.ops.append(IndexOp(kind, scope, tuple(keys), parent))
 
 
 class ReplayUnavailable(RuntimeError):
@@ -512,8 +521,14 @@ class ReplicaEventStream:
             return True
         scope = self._scope(event.lora_name)
         digests = self._rekeyed(event, replica_keys) if self.rekeying else None
+        # The parent as the index knows it, so the index can tell a run behind a hole.
+        parent_hash = event.parent_block_hash
+        parent = None if parent_hash is None else block_key_int(parent_hash)
         if digests is not None:
             keys = [event_key(d) for d in digests]
+            if parent is not None:
+                held = self._held.get(parent)
+                parent = None if held is None else held.key
             for rk, key, digest in zip(replica_keys, keys, digests, strict=True):
                 self._held[rk] = _Held(key, scope, digest)
         elif self.rekeying:
@@ -525,7 +540,7 @@ class ReplicaEventStream:
             if scope != self.model:
                 for rk in replica_keys:
                     self._held[rk] = _Held(rk, scope)
-        plan.push("add", scope, keys)
+        plan.push("add", scope, keys, parent)
         return True
 
     def _plan_probe(self, event: BlockStored, replica_keys: list[int], plan: _Plan) -> bool:

@@ -38,6 +38,9 @@ hash tag; K is the block's 64-bit key as 8 raw big-endian bytes; R the replica i
                   keyspace, and trimming pops its head.
     NS:{M}:c:R    STRING  touch counter for the ZSET's scores (exact integers, so
                   positions within one write stay ordered, which ms timestamps would not).
+    NS:{M}:t:R    STRING  TTL flag: R may hold entries here that expire (see Lookup).
+    NS:{M}:h:R    STRING  hole flag: R's entries here may not be prefix-closed (see Lookup).
+                  Both flags live exactly as long as NS:{M}:r:R (same expiry, gone with it).
     NS:rm:R       SET   model scopes replica R has entries under (for clear_replica);
                   its TTL follows the replica's longest-lived entry.
     NS:p:S        STRING  a hash-handshake probe's observation, by its cache salt S
@@ -50,10 +53,39 @@ remove script, and the writes' SADDs ride along. A batch holding a clear (the re
 reset its cache) runs its operations one by one, since clear_replica takes several
 round trips.
 
-A lookup is one EVALSHA of `_LOOKUP` with the chain's block keys as KEYS: the script
-walks the chain, intersecting holders until none is left, so its cost is one round trip
-however long the chain (a pipeline of one HGETALL per block ships every block's holders
-back to the client instead; benchmarks/bench_index.py measures both).
+Lookup. Each backend takes `lookup_strategy`: "walk" or "bisect" (the default). Both
+answer, per replica holding block 0, its leading run; the walk checks every block of the
+chain (one EVALSHA of `_LOOKUP_WALK`: a call per block inside Redis, its cost linear in
+the chain), the bisection probes O(log n) blocks per replica (one EVALSHA of
+`_LOOKUP_BISECT`, the chain sent as one string of 8-byte keys). At 300-900 blocks (5k-14k
+token prompts, block size 16) the walk's cost alone approaches or passes the gateway's
+few-ms lookup deadline on a busy host; benchmarks/bench_index.py measures both.
+
+The bisection rests on prefix closure: if a replica holds block i of a chain it holds
+blocks 0..i-1 too. Keys chain (block i's key stands for its whole prefix), vLLM evicts
+leaf-first and a hit touches the whole prefix (../shared/VLLM_FACTS.md), so an index
+mirroring a replica's KV events holds prefixes; so does `record`, whose writes are whole
+chains from block 0 trimmed tail-first. Where it can fail, the writers leave a flag
+(above) and the lookup pays for exactness instead of trusting it:
+
+- TTL flag: a write with a TTL (`record`, or events with `event_ttl_s`). An entry can
+  expire mid-run while later ones live, so the replica is walked, one block at a time.
+- Hole flag: a `remove` (a block removed while a descendant is held leaves a hole: vLLM
+  never does this, but the index cannot tell), or an add whose `IndexOp.parent` the
+  replica does not hold (a KV-event batch was lost or came before the subscription). The
+  bisection's answer is then checked against the replica's reverse index, one ZMSCORE
+  per 1,024 blocks, and cut at the first missing block.
+- A broken last link (the run's last block held, the one before it not: keys that are
+  not one chain) is checked the same way.
+
+So the bisection gives the walk's answer whenever every add says its parent (the event
+subscriber does), with or without removes, records and lost batches
+(tests/router/test_index_lookup.py). The one case it does not: blocks added without a
+parent (plain `add`) around a hole that no probe lands on; it then claims the run up to
+the bisection's boundary, past the hole. The cost: O(R log n) probes for R replicas on
+an event-fed, eviction-free index; a remove makes that replica's lookups O(run) (a C-level
+ZMSCORE, a few times cheaper than the walk) until its entries are cleared; a TTL makes
+them a walk. `NearCache` answers a repeated chain without a round trip at all.
 
 Redis Cluster: the hash tag {M} puts every key of one model scope in one slot, so the
 lookup and write scripts touch one slot, as cluster scripts must. The trade-off: one
@@ -73,6 +105,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -99,6 +132,11 @@ _CLEAR_CHUNK = 2000
 # Each write also drops up to this many expired entries from the replica's LRU head,
 # which keeps the reverse index bounded without a background sweeper.
 _EXPIRED_SWEEP = 64
+# The bisecting lookup checks a run's blocks against the reverse index this many per
+# ZMSCORE (Lua's unpack has a stack limit of a few thousand values).
+_VERIFY_CHUNK = 1024
+
+LookupStrategy = Literal["bisect", "walk"]
 
 
 class IndexUnavailable(RuntimeError):
@@ -107,11 +145,16 @@ class IndexUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class IndexOp:
-    """One write of a KV-event batch: add or remove `keys` under scope, or clear the replica."""
+    """One write of a KV-event batch: add or remove `keys` under scope, or clear the replica.
+
+    An add's `parent` is the key of the block its first key follows in the chain (None for
+    a chain's root, or unknown): a parent the replica does not hold marks a hole.
+    """
 
     kind: Literal["add", "remove", "clear"]
     scope: str = ""
     keys: tuple[int, ...] = ()
+    parent: int | None = None
 
 
 class PrefixIndex(Protocol):
@@ -183,7 +226,9 @@ class MemoryIndex:
         capacity_blocks: int | None = None,
         event_ttl_s: float | None = None,
         clock: Callable[[], float] = time.time,
+        lookup_strategy: LookupStrategy = "bisect",
     ) -> None:
+        self._strategy = lookup_strategy
         self._capacity = capacity_blocks
         self._event_ttl_s = event_ttl_s
         self._clock = clock
@@ -192,6 +237,10 @@ class MemoryIndex:
         # (model, replica) -> block keys, least recently touched first
         self._lru: dict[tuple[str, str], OrderedDict[int, None]] = {}
         self._models: dict[str, set[str]] = {}
+        # (model, replica) pairs that may hold entries that expire: looked up by the walk;
+        # and pairs whose held blocks may have holes: bisected, then verified.
+        self._expiring: set[tuple[str, str]] = set()
+        self._holed: set[tuple[str, str]] = set()
         # probe salt -> (expiry, observation)
         self._probes: dict[str, tuple[float, ObservedBlocks]] = {}
 
@@ -200,9 +249,14 @@ class MemoryIndex:
     ) -> dict[str, int]:
         """Replica -> number of leading blocks of `keys` it holds (replicas with 0 omitted)."""
         holders = self._holders.get(model)
+        if not holders or not keys:
+            return {}
+        if self._strategy == "walk":
+            return self._walk(holders, keys)
+        return self._bisect(model, holders, keys)
+
+    def _walk(self, holders: dict[int, dict[str, float]], keys: Sequence[int]) -> dict[str, int]:
         counts: dict[str, int] = {}
-        if not holders:
-            return counts
         now = self._clock()
         alive: set[str] | None = None
         for i, key in enumerate(keys, start=1):
@@ -217,6 +271,46 @@ class MemoryIndex:
             alive = nxt
         return counts
 
+    def _bisect(self, model: str, holders: dict[int, dict[str, float]], keys: Sequence[int]
+                ) -> dict[str, int]:
+        # The same steps as the Redis script (_LOOKUP_BISECT), 0-based here.
+        now = self._clock()
+        n = len(keys)
+
+        def held(r: str, i: int) -> bool:
+            return holders.get(keys[i], {}).get(r, -math.inf) > now
+
+        counts: dict[str, int] = {}
+        for r, expiry in holders.get(keys[0], {}).items():
+            if expiry <= now:
+                continue
+            if n == 1:
+                counts[r] = 1
+            elif (model, r) in self._expiring:
+                run = 1
+                while run < n and held(r, run):
+                    run += 1
+                counts[r] = run
+            else:
+                lo, hi = 0, n - 1  # block lo held, block hi not (unless hi is the last)
+                if held(r, hi):
+                    lo = hi
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if held(r, mid):
+                        lo = mid
+                    else:
+                        hi = mid
+                run = lo + 1
+                if (model, r) in self._holed or (lo >= 2 and not held(r, lo - 1)):
+                    # Cut at the first hole, should the prefix property have failed.
+                    for i in range(1, lo):
+                        if r not in holders.get(keys[i], ()):
+                            run = i
+                            break
+                counts[r] = run
+        return counts
+
     async def add(self, model: str, replica: str, keys: Sequence[int]) -> None:
         """The replica now holds these blocks (from its KV events)."""
         self._put(model, replica, keys, self._event_ttl_s, self._capacity)
@@ -229,6 +323,11 @@ class MemoryIndex:
             self._drop(holders, key, replica)
             if lru is not None:
                 lru.pop(key, None)
+        if lru:
+            self._holed.add((model, replica))
+        else:
+            self._expiring.discard((model, replica))
+            self._holed.discard((model, replica))
 
     async def record(
         self,
@@ -246,6 +345,8 @@ class MemoryIndex:
     async def clear_replica(self, replica: str) -> None:
         """Forget everything the replica holds, under every model scope."""
         for model in self._models.pop(replica, set()):
+            self._expiring.discard((model, replica))
+            self._holed.discard((model, replica))
             holders = self._holders.get(model, {})
             for key in self._lru.pop((model, replica), OrderedDict()):
                 self._drop(holders, key, replica)
@@ -254,7 +355,8 @@ class MemoryIndex:
         """One KV-event batch's writes for the replica, in order."""
         for op in ops:
             if op.kind == "add":
-                await self.add(op.scope, replica, op.keys)
+                self._put(op.scope, replica, op.keys, self._event_ttl_s, self._capacity,
+                          op.parent)
             elif op.kind == "remove":
                 await self.remove(op.scope, replica, op.keys)
             else:
@@ -290,13 +392,18 @@ class MemoryIndex:
         """Nothing to release."""
 
     def _put(
-        self, model: str, replica: str, keys: Sequence[int], ttl_s: float | None, cap: int | None
+        self, model: str, replica: str, keys: Sequence[int], ttl_s: float | None, cap: int | None,
+        parent: int | None = None,
     ) -> None:
         if not keys:
             return
         now = self._clock()
-        expiry = math.inf if ttl_s is None else now + ttl_s
         holders = self._holders.setdefault(model, {})
+        if parent is not None and holders.get(parent, {}).get(replica, -math.inf) <= now:
+            self._holed.add((model, replica))
+        expiry = math.inf if ttl_s is None else now + ttl_s
+        if ttl_s is not None:
+            self._expiring.add((model, replica))
         lru = self._lru.setdefault((model, replica), OrderedDict())
         self._models.setdefault(replica, set()).add(model)
         # Tail first, so block 0 is the most recently touched (leaf-first trimming).
@@ -470,6 +577,22 @@ local function drop_holder(bk, replica)
   end
   if latest > 0 then redis.call('PEXPIREAT', bk, fmt(latest)) end
 end
+-- A flag fk of a reverse index rk (NS:{M}:t:R, NS:{M}:h:R) lives exactly as long as rk
+-- (gone with it, persisted with it): it stays while an entry that raised it may remain.
+local function mirror_expiry(fk, rk)
+  local at = redis.call('PEXPIRETIME', rk)
+  if at == -2 then
+    redis.call('DEL', fk)
+  elseif at == -1 then
+    redis.call('PERSIST', fk)
+  else
+    redis.call('PEXPIREAT', fk, at)
+  end
+end
+local function raise_flag(fk, rk, raise)
+  if raise then redis.call('SET', fk, '1') end
+  if raise or redis.call('EXISTS', fk) == 1 then mirror_expiry(fk, rk) end
+end
 -- Extend a key's TTL to exp (0 = persist). A new key takes exp; an existing one only
 -- grows, so one holder's short TTL never cuts another's entry short.
 local function set_expiry(key, existed, exp)
@@ -485,7 +608,7 @@ end
 
 # KEYS: block keys of the chain, in order. Returns {replica, leading count, ...}.
 # no-writes: it may run on read replicas and while Redis is out of memory.
-_LOOKUP = """#!lua flags=no-writes
+_LOOKUP_WALK = """#!lua flags=no-writes
 local call = redis.call
 local t = call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -536,11 +659,100 @@ end
 return out
 """
 
+# KEYS: [1] block 0's key (it names the scope's slot; the other blocks' keys are built
+# from ARGV, in the same slot). ARGV: [1] the chain, 8 big-endian bytes per block,
+# [2] block key prefix, [3] reverse index prefix (NS:{M}:r:), [4] TTL flag prefix
+# (NS:{M}:t:), [5] hole flag prefix (NS:{M}:h:). Returns {replica, leading count, ...},
+# the walk's answer (module docstring).
+_LOOKUP_BISECT = """#!lua flags=no-writes
+local call = redis.call
+local t = call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local chain, bprefix, rprefix, tprefix, hprefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local n = string.len(chain) / 8
+local function member(i)
+  return string.sub(chain, 8 * i - 7, 8 * i)
+end
+local function alive(e)
+  return e and (e == '0' or tonumber(e) > now)
+end
+local function held(r, i)
+  return alive(call('HGET', bprefix .. member(i), r))
+end
+-- r may hold entries that expire, which can leave an expired hole anywhere: one block
+-- at a time, as the walk does.
+local function walk(r)
+  local i = 1
+  while i < n and held(r, i + 1) do i = i + 1 end
+  return i
+end
+-- The last block r holds, were its blocks of the chain a prefix (block 1 is held):
+-- block lo held, block hi not (invariant), so O(log n) probes.
+local function bisect(r)
+  if held(r, n) then return n end
+  local lo, hi = 1, n
+  while hi - lo > 1 do
+    local mid = math.floor((lo + hi) / 2)
+    if held(r, mid) then lo = mid else hi = mid end
+  end
+  return lo
+end
+-- The run of blocks 1..last that r's reverse index holds: cuts the bisection's answer at
+-- the first hole, if the prefix property failed. One ZMSCORE per CHUNK blocks.
+local function verified(r, last)
+  local rk = rprefix .. r
+  local i = 2
+  while i <= last do
+    local j = math.min(last, i + CHUNK - 1)
+    local members = {}
+    for k = i, j do members[k - i + 1] = member(k) end
+    local scores = call('ZMSCORE', rk, unpack(members))
+    for k = 1, #scores do
+      if not scores[k] then return i + k - 2 end
+    end
+    i = j + 1
+  end
+  return last
+end
+local out = {}
+local flat = call('HGETALL', KEYS[1])
+for j = 1, #flat, 2 do
+  local r = flat[j]
+  if alive(flat[j + 1]) then
+    local run = 1
+    if n > 1 then
+      if call('EXISTS', tprefix .. r) == 1 then
+        run = walk(r)
+      else
+        run = bisect(r)
+        -- Verify where a hole may be: the writers saw one coming (hole flag), or the
+        -- run's last link is broken (a chain whose blocks are not the index's chains).
+        if call('EXISTS', hprefix .. r) == 1 or (run > 2 and not held(r, run - 1)) then
+          run = verified(r, run)
+        end
+      end
+    end
+    out[#out + 1] = r
+    out[#out + 1] = run
+  end
+end
+return out
+""".replace("CHUNK", str(_VERIFY_CHUNK))
+
 # KEYS: [1] reverse ZSET, [2] touch counter, [3..] block keys in chain order.
-# ARGV: replica, ttl_ms (0 = never), capacity (0 = unbounded), block key prefix.
+# ARGV: replica, ttl_ms (0 = never), capacity (0 = unbounded), block key prefix, TTL flag,
+# hole flag, the key of the first block's parent ('' for a chain root, or unknown).
 _WRITE = _LUA_PRELUDE + """
 local rk, ck = KEYS[1], KEYS[2]
 local replica, ttl, cap, bprefix = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local tk, hk, pk = ARGV[5], ARGV[6], ARGV[7]
+-- A block whose parent the replica does not hold (its store event was lost, or came
+-- before we subscribed and out of the replay) starts a run behind a hole.
+local orphan = false
+if pk ~= '' then
+  local e = redis.call('HGET', pk, replica)
+  orphan = not (e and (e == '0' or tonumber(e) > now_ms()))
+end
 local plen = string.len(bprefix)
 local now = now_ms()
 local exp = 0
@@ -576,22 +788,27 @@ for _, m in ipairs(head) do
   redis.call('ZREM', rk, m)
   if e then redis.call('HDEL', bprefix .. m, replica) end
 end
+raise_flag(tk, rk, exp > 0)
+raise_flag(hk, rk, orphan)
 return n
 """.replace("SWEEP_LAST", str(_EXPIRED_SWEEP - 1))
 
 # KEYS: [1] reverse ZSET, [2] touch counter, [3..] block keys.
-# ARGV: replica, block key prefix length.
+# ARGV: replica, block key prefix length, TTL flag, hole flag.
 _REMOVE = _LUA_PRELUDE + """
 local rk, ck, replica, plen = KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2])
 for i = 3, #KEYS do
   drop_holder(KEYS[i], replica)
   redis.call('ZREM', rk, string.sub(KEYS[i], plen + 1))
 end
-if redis.call('EXISTS', rk) == 0 then redis.call('DEL', ck) end
+-- Whether a removed block had held descendants (a hole) is not known here: verify.
+raise_flag(ARGV[4], rk, true)
+if redis.call('EXISTS', rk) == 0 then redis.call('DEL', ck, ARGV[3], ARGV[4]) end
 return #KEYS - 2
 """
 
-# KEYS: [1] reverse ZSET, [2] touch counter. ARGV: replica, block key prefix, chunk.
+# KEYS: [1] reverse ZSET, [2] touch counter.
+# ARGV: replica, block key prefix, chunk, TTL flag, hole flag.
 # Returns how many entries are left, so the client calls again until 0.
 _CLEAR = _LUA_PRELUDE + """
 local rk, ck = KEYS[1], KEYS[2]
@@ -602,7 +819,7 @@ for _, m in ipairs(members) do
 end
 redis.call('ZREMRANGEBYRANK', rk, 0, chunk - 1)
 local left = redis.call('ZCARD', rk)
-if left == 0 then redis.call('DEL', ck) end
+if left == 0 then redis.call('DEL', ck, ARGV[4], ARGV[5]) end
 return left
 """
 
@@ -637,8 +854,10 @@ class RedisIndex:
         event_ttl_s: float | None = None,
         lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
         op_timeout_s: float = DEFAULT_OP_TIMEOUT_S,
+        lookup_strategy: LookupStrategy = "bisect",
     ) -> None:
         self._redis = client
+        self._strategy = lookup_strategy
         self._ns = namespace
         self._capacity = capacity_blocks
         self._event_ttl_s = event_ttl_s
@@ -646,7 +865,8 @@ class RedisIndex:
         self._op_timeout_s = op_timeout_s
         # register_script: loaded once, run by EVALSHA; redis-py reloads a script on
         # NOSCRIPT (a restarted Redis has an empty script cache).
-        self._lookup_script = client.register_script(_LOOKUP)
+        self._walk_script = client.register_script(_LOOKUP_WALK)
+        self._bisect_script = client.register_script(_LOOKUP_BISECT)
         self._write_script = client.register_script(_WRITE)
         self._remove_script = client.register_script(_REMOVE)
         self._clear_script = client.register_script(_CLEAR)
@@ -693,6 +913,11 @@ class RedisIndex:
         tag = f"{self._ns}:{{{model}}}"
         return f"{tag}:r:{replica}".encode(), f"{tag}:c:{replica}".encode()
 
+    def _flag_keys(self, model: str, replica: str) -> tuple[bytes, bytes]:
+        # The TTL flag and the hole flag (module docstring).
+        tag = f"{self._ns}:{{{model}}}"
+        return f"{tag}:t:{replica}".encode(), f"{tag}:h:{replica}".encode()
+
     def _models_key(self, replica: str) -> bytes:
         return f"{self._ns}:rm:{replica}".encode()
 
@@ -711,9 +936,18 @@ class RedisIndex:
         if not keys:
             return {}
         prefix = self.block_prefix(model)
-        block_keys = [prefix + _key_bytes(k) for k in keys]
         deadline = self._lookup_timeout_s if deadline_s is None else deadline_s
-        flat = await self._call(self._lookup_script(keys=block_keys), deadline, "lookup")
+        if self._strategy == "walk":
+            block_keys = [prefix + _key_bytes(k) for k in keys]
+            flat = await self._call(self._walk_script(keys=block_keys), deadline, "lookup")
+        else:
+            tag = f"{self._ns}:{{{model}}}"
+            chain = struct.pack(f">{len(keys)}Q", *keys)
+            script = self._bisect_script(
+                keys=[prefix + _key_bytes(keys[0])],
+                args=[chain, prefix, f"{tag}:r:".encode(), f"{tag}:t:".encode(),
+                      f"{tag}:h:".encode()])
+            flat = await self._call(script, deadline, "lookup")
         return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def add(self, model: str, replica: str, keys: Sequence[int]) -> None:
@@ -740,11 +974,13 @@ class RedisIndex:
         keys: Sequence[int],
         ttl_s: float | None,
         cap: int | None,
+        parent: int | None = None,
     ) -> None:
         if not keys:
             return
         await self._call(
-            self._pipelined(lambda pipe: self._queue_write(pipe, model, replica, keys, ttl_s, cap)),
+            self._pipelined(
+                lambda pipe: self._queue_write(pipe, model, replica, keys, ttl_s, cap, parent)),
             self._op_timeout_s,
             "write",
         )
@@ -757,6 +993,7 @@ class RedisIndex:
         keys: Sequence[int],
         ttl_s: float | None,
         cap: int | None,
+        parent: int | None = None,
     ) -> None:
         rk, ck = self._replica_keys(model, replica)
         prefix = self.block_prefix(model)
@@ -772,14 +1009,15 @@ class RedisIndex:
         else:
             pipe.persist(models_key)
         pipe.evalsha(self._write_script.sha, len(block_keys) + 2, rk, ck, *block_keys,
-                     replica, ttl_ms, cap or 0, prefix)
+                     replica, ttl_ms, cap or 0, prefix, *self._flag_keys(model, replica),
+                     b"" if parent is None else prefix + _key_bytes(parent))
 
     def _queue_remove(self, pipe: Pipeline, model: str, replica: str, keys: Sequence[int]) -> None:
         rk, ck = self._replica_keys(model, replica)
         prefix = self.block_prefix(model)
         block_keys = [prefix + _key_bytes(k) for k in keys]
         pipe.evalsha(self._remove_script.sha, len(block_keys) + 2, rk, ck, *block_keys,
-                     replica, len(prefix))
+                     replica, len(prefix), *self._flag_keys(model, replica))
 
     async def _pipelined(self, build: Callable[[Pipeline], None]) -> None:
         # redis-py's pipelines would check SCRIPT EXISTS before every execute, so run
@@ -802,7 +1040,8 @@ class RedisIndex:
         if any(op.kind == "clear" for op in ops):
             for op in ops:
                 if op.kind == "add":
-                    await self.add(op.scope, replica, op.keys)
+                    await self._write(op.scope, replica, op.keys, self._event_ttl_s,
+                                      self._capacity, op.parent)
                 elif op.kind == "remove":
                     await self.remove(op.scope, replica, op.keys)
                 else:
@@ -816,7 +1055,7 @@ class RedisIndex:
             for op in ops:
                 if op.kind == "add":
                     self._queue_write(pipe, op.scope, replica, op.keys, self._event_ttl_s,
-                                      self._capacity)
+                                      self._capacity, op.parent)
                 else:
                     self._queue_remove(pipe, op.scope, replica, op.keys)
 
@@ -864,7 +1103,7 @@ class RedisIndex:
         await self._call(
             self._remove_script(
                 keys=[rk, ck, *(prefix + _key_bytes(k) for k in keys)],
-                args=[replica, len(prefix)],
+                args=[replica, len(prefix), *self._flag_keys(model, replica)],
             ),
             self._op_timeout_s,
             "remove",
@@ -883,7 +1122,8 @@ class RedisIndex:
             left = 1
             while left:
                 left = await self._call(
-                    self._clear_script(keys=[rk, ck], args=[replica, prefix, _CLEAR_CHUNK]),
+                    self._clear_script(keys=[rk, ck], args=[
+                        replica, prefix, _CLEAR_CHUNK, *self._flag_keys(model, replica)]),
                     self._op_timeout_s,
                     "clear_replica",
                 )

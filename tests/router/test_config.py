@@ -45,7 +45,7 @@ def test_defaults_with_one_replica() -> None:
     config = load_config(None, {}, ONE_REPLICA)
     assert config.listen.host == "127.0.0.1" and config.listen.port == 8000
     assert config.policy.name == "cache_aware"
-    assert config.index.backend == "memory" and config.index.deadline_ms == 5.0
+    assert config.index.backend == "memory" and config.index.deadline_ms == 10.0
     assert config.tenants.allow_anonymous is False
     assert config.proxy.hold_until_content is True
     assert config.proxy.expose_routing_headers is False

@@ -405,6 +405,22 @@ async def test_a_garbage_payload_is_counted_and_skipped(
         assert stream.stats.batches == 2
 
 
+async def test_a_store_lost_to_a_bad_payload_leaves_a_hole_the_lookup_sees(
+    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
+) -> None:
+    chain = list(range(1, 41))
+    async with subscribed(publisher, index, zctx) as stream:
+        await publisher.publish(stored(chain[:10]))
+        # The batch storing blocks 10..19 arrives unreadable: its seq counts, its blocks
+        # are lost, and the next batch continues the chain from block 19.
+        await publisher.publish(payload=b"\x93not msgpack at all")
+        await publisher.publish(stored(chain[20:], parent=chain[19]))
+        await applied_up_to(stream, 2)
+        assert stream.stats.decode_errors == 1
+        # The bisecting lookup (the default) gives the run up to the hole, as a walk does.
+        assert await index.lookup(MODEL, chain) == {"r1": 10}
+
+
 async def test_first_contact_rebuilds_from_the_replay_buffer(
     publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
 ) -> None:
