@@ -78,6 +78,8 @@ _FORWARDED_HEADERS = ("traceparent", "tracestate", "baggage")
 _INDEX_OP_TIMEOUT_S = 1.0
 _HANDSHAKE_TIMEOUT_S = 10.0
 _OFFLOAD_BODY_BYTES = 64 * 1024
+MAX_LINE_BYTES = 8190  # request line and each header line
+MAX_HEADERS = 128
 
 
 class RequestIds:
@@ -111,19 +113,24 @@ class Gateway:
     admission: Admission | None = None
     hygiene: PromptHygiene = field(default_factory=PromptHygiene)
     index_status: str = "unknown"
+    index_up: bool | None = None  # None until the index has first answered or failed
     request_ids: RequestIds = field(default_factory=RequestIds)
     background: set[asyncio.Task[None]] = field(default_factory=set)
+    # Event-fed replicas owing KV events: replica id -> (wall time the request that
+    # must have stored blocks was sent, deadline on the fleet's clock). See EventWatch.
+    events_due: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def index_backend(self) -> str:
         return "redis" if self.config.index.is_redis else "memory"
 
-    def spawn(self, coro: Awaitable[None], name: str) -> None:
+    def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
         """Run a small background job owned by the gateway (awaited at shutdown)."""
         task = asyncio.ensure_future(coro)
         task.set_name(name)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+        return task
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
@@ -215,7 +222,8 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
                   rng=gw.rng)
     gw.fleet = fleet
     fleet.listeners.added.append(_set_mode)
-    fleet.listeners.ejected.append(lambda r: gw.metrics.record_ejection(r.replica_id))
+    # Ejections are counted by the proxy, the only caller of report_failure; a listener
+    # recording them too would count each one twice.
     gw.pipeline = RoutingPipeline(
         tokenizers=gw.tokenizers, chains=ChainCache(), index=gw.index,
         policy=build_policy(gw.config.policy, gw.rng),
@@ -300,8 +308,64 @@ async def _indexer_ctx(app: web.Application) -> AsyncIterator[None]:
     fleet.listeners.added.append(on_added)
     fleet.listeners.removed.append(on_removed)
     fleet.listeners.unhealthy.append(on_unhealthy)
+    watchdog = asyncio.create_task(_watch_event_silence(gw, indexer), name="event-silence")
     yield
+    watchdog.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watchdog
     await indexer.stop()
+
+
+def _event_silence_s(config: GatewayConfig) -> float:
+    # A replica publishes a request's stored blocks during its prefill, long before the
+    # answer is done; a few health intervals of silence after that is not lag.
+    return max(2.0, 4 * config.health.interval_s)
+
+
+def _expect_events(gw: Gateway, replica: Replica, sent_at: float, prompt_tokens: int | None,
+                   cached_tokens: int | None) -> None:
+    """Note that `replica` owes KV events: its answer says it computed (so stored) at
+    least one new full prompt block, which vLLM always announces with a BlockStored."""
+    if gw.indexer is None or replica.mode != "events" or prompt_tokens is None or \
+            cached_tokens is None:
+        return
+    block = replica.target.hash_config.block_size
+    if cached_tokens >= (prompt_tokens // block) * block:
+        return  # a full hit stores nothing new, and publishes nothing
+    due = gw.events_due.get(replica.replica_id)
+    if due is not None and not _heard_since(gw.indexer, replica.replica_id, due[0]):
+        return  # an older debt is still open: its deadline is the one that counts
+    assert gw.fleet is not None
+    gw.events_due[replica.replica_id] = (sent_at, gw.fleet.now() + _event_silence_s(gw.config))
+
+
+def _heard_since(indexer: EventIndexer, replica_id: str, since: float) -> bool:
+    stream = indexer.streams.get(replica_id)
+    heard = stream.stats.last_received_at if stream is not None else None
+    return heard is not None and heard >= since
+
+
+async def _watch_event_silence(gw: Gateway, indexer: EventIndexer) -> None:
+    """Drop the entries of a replica whose event stream went silent while events were
+    due (a cut or black-holed socket, a stuck publisher): the index would otherwise go
+    on trusting what the replica held when its events stopped. Silence alone proves
+    nothing (an idle replica sends nothing), so only owed events count."""
+    assert gw.fleet is not None
+    while True:
+        await asyncio.sleep(0.25)  # the watch's resolution; deadlines are seconds
+        now = gw.fleet.now()
+        streams = indexer.streams
+        for rid, (sent_at, deadline) in list(gw.events_due.items()):
+            stream = streams.get(rid)
+            if stream is None or _heard_since(indexer, rid, sent_at):
+                del gw.events_due[rid]
+            elif now > deadline:
+                del gw.events_due[rid]
+                gw.metrics.record_event_silence(rid)
+                log.warning("replica %s served requests but sent no KV events for %.1fs; "
+                            "dropping its index entries until its stream resyncs", rid,
+                            _event_silence_s(gw.config))
+                gw.spawn(_ignore_errors(stream.mark_stale()), f"silent-{rid}")
 
 
 async def _ignore_errors(coro: Awaitable[Any]) -> None:
@@ -426,12 +490,13 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
                                         tokenizer=known)
     except (NoReplica, NoReplicasError):
         return json_error(503, "no replica serves this model", "service_unavailable")
+    _check_context_length(gw, parsed, route.prompt.num_tokens)
     decision = route.decision
     if route.lookup.fallback is not None:
         gw.metrics.record_fallback(route.lookup.fallback)
-        gw.index_status = "down" if route.lookup.fallback == "index_down" else "slow"
+        _index_state(gw, "down" if route.lookup.fallback == "index_down" else "slow")
     elif route.prompt.keys:
-        gw.index_status = "ok"
+        _index_state(gw, "ok")
     if route.lookup.seconds:
         gw.metrics.record_index_lookup(gw.index_backend, route.lookup.seconds,
                                        ok=route.lookup.fallback is None)
@@ -459,6 +524,39 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
         return await _forward(gw, request, route, candidates, arrived, len(raw))
 
 
+def _index_state(gw: Gateway, status: str) -> None:
+    """Note the index's state ("ok", "slow", "down"); a change between up and down is
+    logged once and counted, so a lost and regained Redis shows in logs and metrics."""
+    gw.index_status = status
+    if status == "slow":
+        return  # it answered, late: neither lost nor regained
+    up = status == "ok"
+    changed = gw.index_up is not None and gw.index_up != up
+    if changed:
+        if up:
+            log.info("prefix index (%s) answers again; routing on cache matches", gw.index_backend)
+        else:
+            log.warning("prefix index (%s) is down; routing on load alone", gw.index_backend)
+    gw.index_up = up
+    gw.metrics.record_index_state(gw.index_backend, up, changed)
+
+
+def _check_context_length(gw: Gateway, parsed: ParsedRequest, prompt_tokens: int) -> None:
+    """Refuse a prompt that cannot fit the model (vLLM's rule and message), before any
+    replica spends a prefill on finding out; only where the gateway knows the limit."""
+    tokenizer = gw.tokenizers.get(parsed.model)
+    limit = tokenizer.max_model_len if tokenizer is not None else 0
+    if not limit or not prompt_tokens:
+        return
+    wanted = prompt_tokens + (parsed.max_tokens or 0)
+    if prompt_tokens >= limit or wanted > limit:
+        raise ClientError(
+            400, f"This model's maximum context length is {limit} tokens. However, you "
+            f"requested {wanted} tokens ({prompt_tokens} in the prompt, "
+            f"{parsed.max_tokens or 0} in the completion). Please reduce the length of the "
+            "prompt or completion.", param="messages" if "messages" in parsed.body else "prompt")
+
+
 async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: list[Replica],
                    arrived: float, body_bytes: int) -> web.StreamResponse:
     assert gw.forwarder is not None and gw.fleet is not None
@@ -483,13 +581,20 @@ async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: 
             out["x-cacheroute-predicted-cached-tokens"] = str(route.predicted_for(replica.replica_id))
         return out
 
+    sent_at = time.time()  # the KV-event streams' clock
     response, outcome = await gw.forwarder.forward(request, up, candidates, response_headers)
     if outcome.first_byte_at is not None:
         gw.metrics.record_first_byte(outcome.first_byte_at - arrived)
     replica = gw.fleet.get(outcome.replica_id) if outcome.replica_id else None
     if replica is not None and outcome.status == 200:
-        await _record(gw, route, replica, outcome.prompt_tokens, outcome.cached_tokens,
-                      outcome.output_token_ids)
+        _expect_events(gw, replica, sent_at, outcome.prompt_tokens, outcome.cached_tokens)
+        # A healthy index records within the lookup deadline, so the next request of
+        # the conversation sees it; a slow or black-holed one must not hold the answer
+        # (a non-streamed body goes out only when this handler returns) any longer.
+        task = gw.spawn(_ignore_errors(_record(gw, route, replica, outcome.prompt_tokens,
+                                               outcome.cached_tokens, outcome.output_token_ids)),
+                        "record")
+        await asyncio.wait([task], timeout=gw.config.index.deadline_ms / 1000.0)
     return response
 
 
@@ -591,6 +696,8 @@ async def handle_ready(request: web.Request) -> web.Response:
         index_state = "ok"
     except (TimeoutError, IndexUnavailable, OSError) as exc:
         index_state = f"down: {type(exc).__name__}"
+    # A probe answers for the index too: with no traffic, /ready is what notices.
+    _index_state(gw, "ok" if index_state == "ok" else "down")
     ready = gw.fleet.any_available()
     body: dict[str, Any] = {
         "ready": ready,
@@ -647,8 +754,12 @@ def build_app(config: GatewayConfig, *, tenants: TenantRegistry | None = None,
 async def running_gateway(app: web.Application, host: str, port: int, *,
                           shutdown_timeout: float = 10.0) -> AsyncIterator[web.AppRunner]:
     """Serve `app` on host:port until the block exits (handler cancellation on)."""
+    # HTTP framing limits, explicit because they are a security property: a request line
+    # or header over 8 KiB, or more than 128 headers, is refused with a 400 before any
+    # handler runs (as is a request with both Content-Length and Transfer-Encoding).
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=shutdown_timeout)
+                           shutdown_timeout=shutdown_timeout, max_line_size=MAX_LINE_BYTES,
+                           max_field_size=MAX_LINE_BYTES, max_headers=MAX_HEADERS)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

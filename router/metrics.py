@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -145,6 +145,18 @@ class GatewayMetrics:
             "cacheroute_index_fallbacks_total",
             "Requests routed on load alone because the index missed its deadline or was down.",
             ["reason"], registry=r)
+        self.index_up = Gauge(
+            "cacheroute_index_up",
+            "1 while the prefix index answers, 0 while it is down.",
+            ["backend"], registry=r)
+        self.index_transitions = Counter(
+            "cacheroute_index_transitions_total",
+            "Index state changes: to=down (lost) and to=up (reconnected by itself).",
+            ["backend", "to"], registry=r)
+        self.event_silences = Counter(
+            "cacheroute_event_silences_total",
+            "Replicas whose KV events stopped while they served requests; their index "
+            "entries were dropped.", ["replica"], registry=r)
         self.retries = Counter(
             "cacheroute_retries_total", "Upstream attempts retried on another replica, by cause.",
             ["replica", "reason"], registry=r)
@@ -208,6 +220,16 @@ class GatewayMetrics:
     def record_index_error(self, backend: str, operation: str) -> None:
         """An index write or other operation failed."""
         self.index_errors.labels(backend, operation).inc()
+
+    def record_index_state(self, backend: str, up: bool, changed: bool) -> None:
+        """The index's current state, and whether it just changed (lost or regained)."""
+        self.index_up.labels(backend).set(1 if up else 0)
+        if changed:
+            self.index_transitions.labels(backend, "up" if up else "down").inc()
+
+    def record_event_silence(self, replica: str) -> None:
+        """A replica's event stream went silent when events were due: entries dropped."""
+        self.event_silences.labels(replica).inc()
 
     def record_fallback(self, reason: str) -> None:
         """A request routed without index data (deadline, index_down)."""

@@ -41,6 +41,10 @@ from router.replicas import Fleet, Replica
 log = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
+# aiohttp >= 3.10 tells a connect timeout apart; before, ServerTimeoutError (no read
+# timeout is set here, so it can only mean connect).
+_CONNECT_TIMEOUT: type[Exception] = getattr(aiohttp, "ConnectionTimeoutError",
+                                            aiohttp.ServerTimeoutError)
 _MAX_ERROR_BODY = 64 * 1024
 
 
@@ -77,6 +81,7 @@ class RetryBudget:
 
     Under a fleet-wide failure every request would otherwise retry and multiply the
     load on whatever still works; the floor keeps retries possible at low traffic.
+    Retries after a refused connection are exempt (see Forwarder.forward).
     """
 
     def __init__(self, ratio: float, minimum: int) -> None:
@@ -267,10 +272,15 @@ class Forwarder:
                     if retrying:
                         self.budget.release()
                         retrying = False
-                    if not self.budget.try_acquire():
-                        self._metrics.record_retry_budget_exhausted()
-                        break
-                    retrying = True
+                    # A connection that was never made cost no replica anything, so its
+                    # retry adds no load a storm could multiply: only other failures
+                    # (resets, 5xx, stalls) spend the budget. A replica going away in a
+                    # rolling restart refuses connections; those requests must move on.
+                    if outcome.failures[-1][1] != "connect":
+                        if not self.budget.try_acquire():
+                            self._metrics.record_retry_budget_exhausted()
+                            break
+                        retrying = True
                     self._metrics.record_retry(*outcome.failures[-1])
                     await asyncio.sleep(self._backoff(outcome.attempts))
                 outcome.attempts += 1
@@ -349,8 +359,10 @@ class Forwarder:
                             if content or not s.hold_until_content:
                                 break
             except TimeoutError as exc:
-                if resp is None:
-                    raise UpstreamFailure("connect", "connect or headers timed out", 504) from exc
+                if isinstance(exc, _CONNECT_TIMEOUT):
+                    raise UpstreamFailure("connect", "connect timed out", 504) from exc
+                # Connected but silent (no headers, or no content yet): a stalled replica,
+                # e.g. one that is paused or whose engine is stuck.
                 raise UpstreamFailure("first_token_timeout",
                                       f"no first token within {deadline:.1f}s", 504) from exc
             except aiohttp.ClientConnectorError as exc:

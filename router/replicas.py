@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
+import re
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -419,16 +421,27 @@ class Fleet:
         try:
             async with self._session.get(f"{replica.base_url}/metrics", timeout=timeout) as resp:
                 if resp.status != 200:
+                    self._forget_scrape(replica)
                     return
                 text = await resp.text()
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             log.debug("scraping %s failed: %s", replica.replica_id, exc)
+            self._forget_scrape(replica)
             return
         values = parse_prometheus_gauges(text, _VLLM_GAUGES)
         for metric, attr in _VLLM_GAUGES.items():
             if metric in values:
                 setattr(replica, attr, values[metric])
         replica.scraped_at = self._clock()
+        replica.inflight_at_scrape = replica.inflight
+
+    @staticmethod
+    def _forget_scrape(replica: Replica) -> None:
+        """A replica that stopped answering scrapes keeps no scraped load: the last
+        numbers would otherwise stand for ever (a replica paused while busy would look
+        busy, and be avoided, long after it is resumed and idle). Our own in-flight count
+        is still exact."""
+        replica.running = replica.waiting = 0.0
         replica.inflight_at_scrape = replica.inflight
 
     # -- passive outlier detection -------------------------------------------------
@@ -531,6 +544,10 @@ async def verify_keys(session: aiohttp.ClientSession, index: PrefixIndex, replic
     if verdict is None:
         verdict = HandshakeResult(False, None, f"no KV events for the probe within {within_s:.1f}s "
                                   "(is its kv_events endpoint reaching the index?)")
+    # The seed is a secret for the xxhash algorithms (knowing it lets a client craft
+    # colliding block keys): a verdict's text may quote it, and this text reaches /ready
+    # and the log, so the value is cut out wherever it appears.
+    verdict = dataclasses.replace(verdict, detail=redact_seed(verdict.detail, config.seed))
     replica.verified = verdict.verified
     replica.verification = "handshake" if verdict.verified else "mismatch"
     replica.verification_detail = verdict.detail
@@ -541,6 +558,16 @@ async def verify_keys(session: aiohttp.ClientSession, index: PrefixIndex, replic
                     "until it is fixed", replica.replica_id, verdict.mismatch or "no events",
                     verdict.detail)
     return verdict.verified
+
+
+def redact_seed(text: str, seed: str | None) -> str:
+    """`text` with the hash seed's value replaced, for anything shown or logged."""
+    if not seed:
+        return text
+    text = text.replace(repr(seed), "<redacted>")
+    # Bare occurrences as whole words only: a short seed ("0") must not eat digits of
+    # other numbers in the text.
+    return re.sub(rf"(?<!\w){re.escape(seed)}(?!\w)", "<redacted>", text)
 
 
 async def _probe_verdict(index: PrefixIndex, model: str, replica: Replica, config: HashConfig,

@@ -17,6 +17,8 @@ import logging
 import signal
 import sys
 
+from aiohttp.http_exceptions import BadHttpMessage
+
 from router.app import REQUEST_ID, build_app, running_gateway
 from router.config import ConfigError, add_config_arguments, config_from_args
 
@@ -31,10 +33,27 @@ class _RequestIdFilter(logging.Filter):
         return True
 
 
+class _MalformedRequestFilter(logging.Filter):
+    """aiohttp logs every unparsable request (bad framing, oversized headers) at ERROR
+    with a traceback; a client can cause that at will, so it becomes one INFO line: a
+    flood of junk must not flood the log or look like a gateway fault."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage):
+            record.msg, record.args = "refused a malformed HTTP request: %r", (exc.message,)
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            return logging.getLogger(record.name).isEnabledFor(logging.INFO)
+        return True
+
+
 def setup_logging(level: str) -> None:
     """Log to stderr with the request id on every line."""
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_RequestIdFilter())
+    handler.addFilter(_MalformedRequestFilter())
     handler.setFormatter(logging.Formatter(
         "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
     root = logging.getLogger()
