@@ -148,7 +148,7 @@ def _compare_keys(probe: Probe, ours: HashConfig, observed: ObservedBlocks) -> H
     return HandshakeResult(
         False, "hash_seed",
         f"block size and algorithm ({ours.algo}) agree but keys differ: the replica's "
-        f"PYTHONHASHSEED is not the gateway's hash_seed ({ours.seed!r})",
+        "PYTHONHASHSEED is not the gateway's hash_seed (values not shown: a seed is a secret)",
     )
 
 

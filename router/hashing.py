@@ -98,7 +98,9 @@ class HashConfig:
 
     algo: str = "sha256"
     block_size: int = 16
-    seed: str | None = None
+    # For the xxhash algorithms a known seed lets an attacker craft colliding blocks
+    # offline, so the seed never appears in a repr (logs, /ready, error messages).
+    seed: str | None = field(default=None, repr=False)
     _root: bytes = field(default=b"", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -167,3 +167,13 @@ async def test_run_handshake_says_when_the_index_cannot_be_read(sim: RunningRepl
         await index.close()
     assert (result.verified, result.mismatch) == (False, "index_unavailable")
     assert "redis" in result.detail
+
+
+def test_seed_never_appears_in_diagnosis_or_repr() -> None:
+    secret = "s3cret-seed-4242"
+    ours = HashConfig(algo="xxhash", block_size=32, seed=secret)
+    replica = HashConfig(algo="xxhash", block_size=32, seed="other")
+    probe = make_probe(32)
+    result = compare(probe, ours, observe(replica, probe.token_ids, probe.cache_salt))
+    assert result.mismatch == "hash_seed"
+    assert secret not in result.detail and secret not in repr(ours)
