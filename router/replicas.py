@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import random
 import re
@@ -34,10 +33,13 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from router.handshake import HandshakeResult, Probe, compare, make_probe
-from router.hashing import HashConfig, chain_hashes, event_key
-from router.index import IndexUnavailable, PrefixIndex
+from router.handshake import run_handshake
+from router.hashing import HashConfig
+from router.index import PrefixIndex
 from router.policy.types import PrefillProfile
+
+# Probe token ids stay below this so any vocabulary, however small, accepts them.
+_PROBE_VOCAB = 1000
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +146,7 @@ class Replica:
     # replica's keys from the configured settings (assumed), confirmed once the replica
     # reports exactly the predicted cached tokens; see Fleet.record_prediction.
     verified: bool = True
-    verification: str = "assumed"  # "assumed" | "handshake" | "confirmed" | "mismatch"
+    verification: str = "assumed"  # assumed | handshake | rekeyed | confirmed | mismatch
     verification_detail: str = ""
     zero_hits: int = 0  # consecutive responses with nothing cached though the index said so
     mode: str = "record"  # "events" when its KV events feed the index
@@ -505,59 +507,28 @@ class Fleet:
 
 async def verify_keys(session: aiohttp.ClientSession, index: PrefixIndex, replica: Replica,
                       model: str, within_s: float, probe_every_s: float = 1.0) -> bool:
-    """The hash handshake (router.handshake): does this replica key blocks as we do?
+    """Run the hash handshake (router.handshake.run_handshake) and record its verdict.
 
-    Sends a probe prompt with a unique cache_salt (so its blocks are new everywhere) and
-    waits for what the replica's KV events said about it: the observation the event
-    subscriber stored for the probe's salt (`index.get_probe`), compared key by key with
-    the gateway's own, which also names the setting that differs; or, failing that, the
-    index showing the replica holding the probe's blocks under the gateway's keys. A new
-    probe goes out every `probe_every_s`: a subscriber that connected after a probe's
-    events were published (ZMQ PUB/SUB drops them) sees the next one. Without a verdict
-    within `within_s` the replica's matches are not trusted (Replica.verified False).
+    A replica whose keys match, or whose blocks the indexer re-keys with ours, is routed
+    by prefix; any other verdict (a differing setting, no events, a failed probe) leaves
+    its matches untrusted (Replica.verified False) and says why in /ready and the log.
     """
-    config = replica.target.hash_config
-    timeout = aiohttp.ClientTimeout(total=min(within_s, 10.0))
-    deadline = time.monotonic() + within_s
-    probes: list[tuple[Probe, list[int]]] = []
-    verdict: HandshakeResult | None = None
-    while verdict is None and time.monotonic() < deadline:
-        probe = make_probe(config.block_size)
-        probes.append((probe, [event_key(k) for k in chain_hashes(
-            config, probe.token_ids, cache_salt=probe.cache_salt)]))
-        body = {"model": model, "prompt": list(probe.token_ids), "max_tokens": 1,
-                "cache_salt": probe.cache_salt}
-        try:
-            async with session.post(f"{replica.base_url}/v1/completions", json=body,
-                                    timeout=timeout) as resp:
-                await resp.read()
-                if resp.status != 200:
-                    log.warning("hash handshake with %s: probe answered HTTP %d",
-                                replica.replica_id, resp.status)
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            log.warning("hash handshake with %s: probe failed (%s)", replica.replica_id, exc)
-        next_probe = min(deadline, time.monotonic() + probe_every_s)
-        while verdict is None and time.monotonic() < next_probe:
-            verdict = await _probe_verdict(index, model, replica, config, probes)
-            if verdict is None:
-                await asyncio.sleep(0.05)  # events arrive asynchronously; poll with a deadline
-    if verdict is None:
-        verdict = HandshakeResult(False, None, f"no KV events for the probe within {within_s:.1f}s "
-                                  "(is its kv_events endpoint reaching the index?)")
+    verdict = await run_handshake(
+        session, replica.base_url, model, replica.target.hash_config, index,
+        timeout_s=within_s, vocab_size=_PROBE_VOCAB, probe_every_s=probe_every_s)
     # The seed is a secret for the xxhash algorithms (knowing it lets a client craft
-    # colliding block keys): a verdict's text may quote it, and this text reaches /ready
-    # and the log, so the value is cut out wherever it appears.
-    verdict = dataclasses.replace(verdict, detail=redact_seed(verdict.detail, config.seed))
-    replica.verified = verdict.verified
-    replica.verification = "handshake" if verdict.verified else "mismatch"
-    replica.verification_detail = verdict.detail
-    if verdict.verified:
-        log.info("hash handshake with %s: %s", replica.replica_id, verdict.detail)
+    # colliding block keys): this text reaches /ready and the log, so any value is cut.
+    detail = redact_seed(verdict.detail, replica.target.hash_config.seed)
+    replica.verified = verdict.routable_by_prefix
+    replica.verification = (
+        "handshake" if verdict.verified else "rekeyed" if verdict.rekeyed else "mismatch")
+    replica.verification_detail = detail
+    if replica.verified:
+        log.info("hash handshake with %s: %s", replica.replica_id, detail)
     else:
         log.warning("hash handshake with %s failed (%s): %s; its cache matches are ignored "
-                    "until it is fixed", replica.replica_id, verdict.mismatch or "no events",
-                    verdict.detail)
-    return verdict.verified
+                    "until it is fixed", replica.replica_id, verdict.mismatch, detail)
+    return replica.verified
 
 
 def redact_seed(text: str, seed: str | None) -> str:
@@ -570,17 +541,3 @@ def redact_seed(text: str, seed: str | None) -> str:
     return re.sub(rf"(?<!\w){re.escape(seed)}(?!\w)", "<redacted>", text)
 
 
-async def _probe_verdict(index: PrefixIndex, model: str, replica: Replica, config: HashConfig,
-                         probes: list[tuple[Probe, list[int]]]) -> HandshakeResult | None:
-    for probe, keys in probes:
-        try:
-            observed = await index.get_probe(probe.cache_salt)
-            held = 0 if observed is not None else \
-                (await index.lookup(model, keys)).get(replica.replica_id, 0)
-        except (IndexUnavailable, OSError):
-            return None
-        if observed is not None:
-            return compare(probe, config, observed)
-        if held >= len(keys):
-            return HandshakeResult(True, None, f"{len(keys)} probe blocks indexed under our keys")
-    return None
