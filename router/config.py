@@ -111,6 +111,10 @@ class ReplicaConfig:
     kv_replay: str | None = None
     max_concurrency: int | None = None
     prefill: PrefillProfile | None = None
+    # How the indexer keys this replica's blocks: never (as the replica sends them),
+    # always (re-keyed from their token ids with `hash`), auto (re-keyed only if its
+    # keys turn out to differ). None: the indexer's --rekey default.
+    rekey: str | None = None
     hash: HashConfig = field(default_factory=HashConfig)
 
     def serves(self, model: str) -> bool:
@@ -549,6 +553,7 @@ def _replica(path: str, raw: Any, models: Mapping[str, ModelConfig]) -> ReplicaC
         kv_replay=s.get("kv_replay", _optional(_zmq_endpoint), None),
         max_concurrency=s.get("max_concurrency", _optional(_pos_int), None),
         prefill=prefill,
+        rekey=s.get("rekey", _optional(_choice("never", "always", "auto")), None),
         hash=hash_config,
     )
     s.seen.add("prefill")

@@ -490,3 +490,20 @@ def test_redis_password_is_read_from_the_named_variable() -> None:
     )
     assert config.index.password == "hunter2hunter2" and config.index.is_redis
     assert "hunter2" not in repr(config)
+
+
+def test_replica_rekey_setting_is_validated_and_reaches_the_indexer(tmp_path: Path) -> None:
+    from router.indexer import rekey_setting
+
+    def replica(extra: str) -> str:
+        return f"replicas:\n  - url: http://127.0.0.1:9\n    kv_events: tcp://127.0.0.1:5557\n{extra}"
+
+    good = tmp_path / "good.yaml"
+    good.write_text(replica("    rekey: auto\n"))
+    cfg = load_config(str(good), {}, [])
+    assert cfg.replicas[0].rekey == "auto"
+    assert rekey_setting(cfg.replicas[0], "never") == (cfg.replicas[0].hash, "auto")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(replica("    rekey: sometimes\n"))
+    with pytest.raises(ConfigError, match=r"replicas\[0\]\.rekey"):
+        load_config(str(bad), {}, [])
