@@ -204,6 +204,24 @@ class _StreamState:
         if cached is not None:
             self.outcome.cached_tokens = int(cached)
 
+    def absorb(self, data: dict[str, Any]) -> bool:
+        """Take usage and generated token ids from a response body or chunk; strip the
+        token ids the gateway asked for on the client's behalf. Whether it changed."""
+        self.take_usage(data.get("usage"))
+        changed = False
+        for choice in data.get("choices") or ():
+            ids = choice.get("token_ids")
+            if ids is not None and choice.get("index", 0) == 0:
+                self.token_ids.extend(int(t) for t in ids)
+                self.saw_token_ids = True
+            if self.up.strip_token_ids and "token_ids" in choice:
+                del choice["token_ids"]
+                changed = True
+        if self.up.strip_token_ids and "prompt_token_ids" in data:
+            del data["prompt_token_ids"]
+            changed = True
+        return changed
+
     def process(self, event: bytes) -> tuple[bytes | None, bool]:
         """(bytes to send or None to drop, whether it carries content). Unchanged unless
         it is the usage chunk the client did not ask for or carries token ids we asked for."""
@@ -221,20 +239,8 @@ class _StreamState:
             return event, False
         if "error" in chunk:
             return event, True
-        self.take_usage(chunk.get("usage"))
         content = _has_content(chunk)
-        changed = False
-        for choice in chunk.get("choices") or ():
-            ids = choice.get("token_ids")
-            if ids is not None and choice.get("index", 0) == 0:
-                self.token_ids.extend(int(t) for t in ids)
-                self.saw_token_ids = True
-            if self.up.strip_token_ids and "token_ids" in choice:
-                del choice["token_ids"]
-                changed = True
-        if self.up.strip_token_ids and "prompt_token_ids" in chunk:
-            del chunk["prompt_token_ids"]
-            changed = True
+        changed = self.absorb(chunk)
         if not self.up.client_wants_usage and chunk.get("usage"):
             if not chunk.get("choices"):
                 return None, False  # the usage-only chunk the gateway added
@@ -400,22 +406,8 @@ class Forwarder:
                 data = json.loads(payload)
             except ValueError:
                 data = None
-            if isinstance(data, dict):
-                state.take_usage(data.get("usage"))
-                changed = False
-                for choice in data.get("choices") or ():
-                    ids = choice.get("token_ids")
-                    if ids is not None and choice.get("index", 0) == 0:
-                        state.token_ids.extend(int(t) for t in ids)
-                        state.saw_token_ids = True
-                    if state.up.strip_token_ids and "token_ids" in choice:
-                        del choice["token_ids"]
-                        changed = True
-                if state.up.strip_token_ids and "prompt_token_ids" in data:
-                    del data["prompt_token_ids"]
-                    changed = True
-                if changed:
-                    body = json.dumps(data, separators=(",", ":")).encode()
+            if isinstance(data, dict) and state.absorb(data):
+                body = json.dumps(data, separators=(",", ":")).encode()
         return web.Response(status=resp.status, body=body, headers={
             "Content-Type": resp.headers.get("Content-Type", "application/json"), **headers})
 
