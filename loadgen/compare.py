@@ -11,6 +11,11 @@ Replicas are simulated (`python -m replica sim`, the default) or real vLLM
 Sims may run faster than real time (`--time-scale K`): arrivals are compressed by K and
 every measured time is multiplied back by K, so figures are in simulated seconds; the
 client's and the gateway's own overhead is multiplied too, which the report says.
+
+`--policy-set KEY=VALUE` and `--index-set KEY=VALUE` change one key of our gateways'
+`policy:` or `index:` config (e.g. `load_cost_s=0.25`, `deadline_ms=100`) for a control
+run; the report names them beside each policy. `--trace-start N` replays a trace from its
+N-th record.
 """
 
 from __future__ import annotations
@@ -299,8 +304,14 @@ def start_vllm_fleet(args: argparse.Namespace, log_dir: Path) -> Fleet:
 
 
 def gateway_config(policy: str, fleet: Fleet, port: int, index: str, model_dir: Path,
-                   seed: int, profile: dict[str, float]) -> dict[str, Any]:
-    """The gateway.yaml the harness runs a policy with (routing headers exposed)."""
+                   seed: int, profile: dict[str, float],
+                   overrides: dict[str, Any] | None = None,
+                   index_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The gateway.yaml the harness runs a policy with (routing headers exposed).
+
+    `overrides` (--policy-set) and `index_overrides` (--index-set) replace or add keys of
+    the `policy:` and `index:` sections.
+    """
     return {
         "listen": {"host": "127.0.0.1", "port": port},
         "models": {MODEL_NAME: {"tokenizer": str(model_dir), "max_model_len": fleet.max_model_len}},
@@ -310,8 +321,8 @@ def gateway_config(policy: str, fleet: Fleet, port: int, index: str, model_dir: 
              "kv_events": r.kv_events, "kv_replay": r.kv_replay}
             for r in fleet.replicas
         ],
-        "index": {"backend": index},
-        "policy": {"name": policy, "seed": seed, "prefill": profile},
+        "index": {"backend": index, **(index_overrides or {})},
+        "policy": {"name": policy, "seed": seed, "prefill": profile, **(overrides or {})},
         "tenants": {"allow_anonymous": True},
         "proxy": {"expose_routing_headers": True},
         "health": {"interval_s": 0.5, "scrape_interval_s": 0.25},
@@ -344,7 +355,8 @@ def gateway(policy: str, fleet: Fleet, index: str, args: argparse.Namespace,
     profile = {"base_s": sim_profile.base_s, "per_token_s": sim_profile.token_s,
                "per_token_context_s": sim_profile.attention_s}
     port = free_port()
-    config = gateway_config(policy, fleet, port, index, Path(args.model_dir), args.seed, profile)
+    config = gateway_config(policy, fleet, port, index, Path(args.model_dir), args.seed, profile,
+                            policy_overrides(args), policy_overrides(args, "index_set"))
     path = log_dir / f"gateway-{policy}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     procs: list[ManagedProcess] = []
@@ -369,6 +381,21 @@ def gateway(policy: str, fleet: Fleet, index: str, args: argparse.Namespace,
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+def policy_overrides(args: argparse.Namespace, dest: str = "policy_set") -> dict[str, Any]:
+    """--policy-set (or --index-set) KEY=VALUE pairs as a dict, values parsed as YAML."""
+    flag = "--" + dest.replace("_", "-")
+    out: dict[str, Any] = {}
+    for item in getattr(args, dest, None) or []:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise HarnessError(f"{flag} wants KEY=VALUE, got {item!r}")
+        if key in ("name", "backend"):
+            raise HarnessError(f"{flag} cannot change {key}; use --policies / --index")
+        out[key] = yaml.safe_load(value)
+    return out
 
 
 def vllm_router_binary() -> str | None:
@@ -432,6 +459,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--tool-tokens", type=int, default=180, help="tokens per agent tool")
     w.add_argument("--layout", choices=AGENT_LAYOUTS, default="stable", help="agent layout")
     w.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace")
+    w.add_argument("--trace-start", type=int, default=0,
+                   help="trace: skip this many records first (replay a later window)")
     w.add_argument("--groups", type=int, default=150)
     w.add_argument("--users", type=int, default=5)
     w.add_argument("--rates", default="5",
@@ -465,7 +494,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
         return TraceWorkload(
             args.trace, speedup=args.speedup, limit=pick(args.requests, 200),
             max_input_tokens=args.max_model_len - 1 - pick(args.answer_tokens, 64),
-            max_output_tokens=pick(args.answer_tokens, 64), seed=seed)
+            max_output_tokens=pick(args.answer_tokens, 64),
+            start=getattr(args, "trace_start", 0), seed=seed)
     if args.workload == "groups":
         return GroupsWorkload(
             groups=args.groups, users=args.users,
@@ -532,6 +562,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=None,
                         help="cache-neutral requests sent to each router before measuring "
                              "(default: 2 x max(concurrency, replicas); 0 for none)")
+    parser.add_argument("--policy-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="set a key of our gateways' policy config (docs/POLICY.md), e.g. "
+                             "load_cost_s=0.25; repeatable; vllm-router peers are unaffected")
+    parser.add_argument("--index-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="set a key of our gateways' index config, e.g. deadline_ms=100")
     parser.add_argument("--no-plots", action="store_true")
     add_workload_arguments(parser)
 
@@ -656,7 +691,11 @@ def run_comparison(args: argparse.Namespace, console: Any = None) -> Comparison:
                     note = "vllm-router 0.1.17 as a peer (its own hashing and load view)"
                 else:
                     cm = gateway(policy, fleet, index, args, log_dir)
-                    note = ""
+                    overrides = {**{f"policy.{k}": v for k, v in policy_overrides(args).items()},
+                                 **{f"index.{k}": v for k, v in
+                                    policy_overrides(args, "index_set").items()}}
+                    note = ("settings: " + ", ".join(
+                        f"{k}={v}" for k, v in overrides.items())) if overrides else ""
                 try:
                     with cm as url:
                         asyncio.run(warm_up(url, args))

@@ -488,6 +488,9 @@ class TraceWorkload(_StatelessBase):
 
     Requests whose prompt exceeds `max_input_tokens` are skipped and counted (a replica
     with a shorter context would reject them, and a rejection is not a routing result).
+    `start` skips the trace's first records (file lines) to replay a later window; its
+    arrivals then count from the first replayed record's timestamp. Only prefixes seen
+    inside the window can hit: the window starts with empty caches.
     """
 
     name = "trace"
@@ -500,18 +503,28 @@ class TraceWorkload(_StatelessBase):
         limit: int | None = None,
         max_input_tokens: int | None = None,
         max_output_tokens: int | None = None,
+        start: int = 0,
         seed: int = 0,
     ) -> None:
         super().__init__(seed)
         if speedup <= 0:
             raise ValueError("speedup must be positive")
+        if start < 0:
+            raise ValueError("start must be >= 0")
         self.path = path
         self.speedup = speedup
         self.limit = limit
         self.max_input_tokens = max_input_tokens
         self.max_output_tokens = max_output_tokens
+        self.start = start
         self.skipped = 0
-        for record in read_trace(path):
+        origin: int | None = None
+        for n, record in enumerate(read_trace(path)):
+            if n < start:
+                continue
+            if origin is None:
+                # The window's first record is its time zero (0 for the whole trace).
+                origin = record.timestamp_ms if start else 0
             if limit is not None and len(self._requests) >= limit:
                 break
             if max_input_tokens is not None and record.input_length > max_input_tokens:
@@ -523,7 +536,7 @@ class TraceWorkload(_StatelessBase):
                 out = min(out, max_output_tokens)
             self._requests.append(TimedRequest(
                 index=i, request_id=f"req-{i}", conversation_id=f"trace-{i}", turn=0,
-                arrival=record.timestamp_ms / 1000.0 / speedup,
+                arrival=(record.timestamp_ms - origin) / 1000.0 / speedup,
                 prompt_token_ids=expand_hash_ids(record.hash_ids, record.input_length),
                 max_tokens=max(out, 1),
             ))
@@ -531,7 +544,7 @@ class TraceWorkload(_StatelessBase):
     def describe(self) -> dict[str, object]:
         return {
             "workload": self.name, "path": str(self.path), "speedup": self.speedup,
-            "limit": self.limit, "max_input_tokens": self.max_input_tokens,
+            "start": self.start, "limit": self.limit, "max_input_tokens": self.max_input_tokens,
             "max_output_tokens": self.max_output_tokens, "requests": len(self._requests),
             "skipped_too_long": self.skipped,
         }

@@ -70,6 +70,33 @@ def test_gateway_config_exposes_routing_and_names_replicas() -> None:
     assert cfg["replicas"][0]["hash_seed"] == "5"
 
 
+def test_policy_set_overrides_the_gateway_policy() -> None:
+    from loadgen.compare import Fleet, HarnessError, Replica, policy_overrides
+
+    args = _args("--out", "x", "--policy-set", "load_cost_s=0.25",
+                 "--policy-set", "weights={prefix: 0.2}")
+    overrides = policy_overrides(args)
+    assert overrides == {"load_cost_s": 0.25, "weights": {"prefix": 0.2}}
+    fleet = Fleet([Replica("sim-0", "http://127.0.0.1:1", None, None)],
+                  block_size=16, blocks_per_replica=10, max_model_len=512, stop=lambda: None)
+    cfg = gateway_config("cache_aware", fleet, 9000, "memory", Path("/m"), 0,
+                         {"base_s": 0.1, "per_token_s": 0.2, "per_token_context_s": 0.0},
+                         overrides)
+    assert cfg["policy"]["name"] == "cache_aware" and cfg["policy"]["load_cost_s"] == 0.25
+    assert policy_overrides(_args("--out", "x")) == {}
+    for bad in ("load_cost_s", "name=random"):
+        with pytest.raises(HarnessError):
+            policy_overrides(_args("--out", "x", "--policy-set", bad))
+    index = policy_overrides(_args("--out", "x", "--index-set", "deadline_ms=100"), "index_set")
+    assert index == {"deadline_ms": 100}
+    cfg = gateway_config("cache_aware", fleet, 9000, "memory", Path("/m"), 0,
+                         {"base_s": 0.1, "per_token_s": 0.2, "per_token_context_s": 0.0},
+                         None, index)
+    assert cfg["index"] == {"backend": "memory", "deadline_ms": 100}
+    with pytest.raises(HarnessError):
+        policy_overrides(_args("--out", "x", "--index-set", "backend=redis"), "index_set")
+
+
 def test_workload_flags_pick_per_workload_defaults() -> None:
     agent = build_workload(_args("--out", "x", "--workload", "agent", "--conversations", "2",
                                  "--turns", "3"))

@@ -202,6 +202,26 @@ def test_trace_workload_arrivals_speedup_limit_and_skips(tmp_path: Path) -> None
     assert reqs[1].prompt_token_ids == reqs[0].prompt_token_ids[:512]
 
 
+def test_trace_workload_start_replays_a_later_window(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    lines = [
+        {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]},
+        {"timestamp": 1000, "input_length": 3000, "output_length": 5,
+         "hash_ids": [1, 3, 4, 5, 6, 7]},
+        {"timestamp": 3000, "input_length": 512, "output_length": 3, "hash_ids": [1]},
+        {"timestamp": 4000, "input_length": 100, "output_length": 9, "hash_ids": [8]},
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    w = TraceWorkload(path, start=1, limit=2, max_input_tokens=2048)
+    # Record 1 is too long (skipped), records 2 and 3 replay from record 1's time.
+    assert [p.arrival for p in w.plan()] == [2.0, 3.0]
+    assert [len(r.prompt_token_ids) for r in w.rendered] == [512, 100]
+    assert w.skipped == 1
+    assert w.describe()["start"] == 1
+    with pytest.raises(ValueError, match="start"):
+        TraceWorkload(path, start=-1)
+
+
 def test_the_shared_mooncake_trace_reads() -> None:
     records = list(read_trace(TRACES / "mooncake_conversation.jsonl", limit=3))
     assert [r.input_length for r in records] == [6758, 7322, 7236]
