@@ -239,6 +239,11 @@ class LookupResult:
     seconds: float
 
 
+# How many loop iterations a lookup past its deadline gets to deliver a reply that has
+# already arrived (a redis-py reply wakes its waiter through a chain of callbacks).
+_LATE_REPLY_YIELDS = 4
+
+
 async def lookup_matches(index: PrefixIndex, model: str,
                          keys: Mapping[HashConfig, tuple[int, ...]],
                          members: Mapping[HashConfig, set[str]],
@@ -252,12 +257,23 @@ async def lookup_matches(index: PrefixIndex, model: str,
     groups = [(config, chain) for config, chain in keys.items() if chain]
     if not groups:
         return LookupResult({}, None, 0.0)
+    # The index's own timeout is only a backstop (twice ours): this deadline decides.
+    pending = asyncio.gather(
+        *(index.lookup(model, chain, deadline_s=2 * deadline_s) for _, chain in groups))
     try:
-        async with asyncio.timeout(deadline_s):
-            answers = await asyncio.gather(
-                *(index.lookup(model, chain, deadline_s=deadline_s) for _, chain in groups))
-    except TimeoutError:
-        return LookupResult({}, "deadline", time.perf_counter() - started)
+        await asyncio.wait({pending}, timeout=deadline_s)
+        # On a busy loop the timer and the index's reply can become ready in the same
+        # iteration, and the timer runs first: a lookup that already answered would be
+        # thrown away. A few yields let an answer that is already here finish; one still
+        # in flight is not waited for.
+        for _ in range(_LATE_REPLY_YIELDS):
+            if pending.done():
+                break
+            await asyncio.sleep(0)
+        if not pending.done():
+            pending.cancel()
+            return LookupResult({}, "deadline", time.perf_counter() - started)
+        answers = pending.result()
     except (IndexUnavailable, OSError, ConnectionError):
         return LookupResult({}, "index_down", time.perf_counter() - started)
     matches: dict[str, int] = {}
