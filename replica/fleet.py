@@ -59,7 +59,8 @@ class RunningReplica:
             return ""
 
 
-def _healthy(url: str) -> bool:
+def is_healthy(url: str) -> bool:
+    """Whether a replica (sim or vLLM) at `url` answers GET /health with 200."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
             return int(resp.status) == 200
@@ -181,7 +182,7 @@ class SimFleet:
 
     def _wait_healthy(self, r: RunningReplica) -> None:
         deadline = time.monotonic() + self.startup_timeout
-        while not _healthy(r.url):
+        while not is_healthy(r.url):
             if r.proc.poll() is not None:
                 raise RuntimeError(f"{r.name} exited with {r.proc.returncode} before becoming "
                                    f"healthy:\n{r.log_tail()}")

@@ -17,13 +17,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from replica.fleet import is_healthy
 from router.hashing import HashConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,14 +76,6 @@ def _failure_report(path: Path) -> str:
     text = _tail(path, 2_000_000)
     errors = [line for line in text.splitlines() if "Error:" in line or "error:" in line]
     return "\n".join(["root-cause candidates:", *errors[:8], "log tail:", text[-4000:]])
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-            return int(resp.status) == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -157,7 +148,7 @@ def start_vllm_server(
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_timeout
-        while not _healthy(url):
+        while not is_healthy(url):
             if proc.poll() is not None:
                 raise RuntimeError(
                     f"vLLM exited with {proc.returncode} before becoming healthy "
