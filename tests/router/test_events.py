@@ -163,19 +163,6 @@ async def publisher(zctx: zmq.asyncio.Context) -> AsyncIterator[KvPublisher]:
         await pub.close()
 
 
-@pytest.fixture(params=["memory", "redis"])
-async def index(request: pytest.FixtureRequest) -> AsyncIterator[PrefixIndex]:
-    if request.param == "memory":
-        idx: PrefixIndex = MemoryIndex()
-    else:
-        server: RedisServer = request.getfixturevalue("redis_server")
-        idx = RedisIndex.from_url(server.url)
-    try:
-        yield idx
-    finally:
-        await idx.close()
-
-
 @contextlib.asynccontextmanager
 async def subscribed(
     pub: KvPublisher, index: PrefixIndex, ctx: zmq.asyncio.Context, *, replica: str = "r1",

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
 import pytest
-from servers import REPO, RedisServer, free_port
+from servers import REPO, free_port
 
 from replica.fleet import RunningReplica, SimFleet
 from router.events import EventIndexer, ReplicaFeed
@@ -89,19 +89,6 @@ async def indexed(replica: RunningReplica, index: PrefixIndex) -> AsyncIterator[
         await indexer.stop()
 
 
-@pytest.fixture(params=["memory", "redis"])
-async def probe_index(request: pytest.FixtureRequest) -> AsyncIterator[PrefixIndex]:
-    if request.param == "memory":
-        index: PrefixIndex = MemoryIndex()
-    else:
-        server: RedisServer = request.getfixturevalue("redis_server")
-        index = RedisIndex.from_url(server.url)
-    try:
-        yield index
-    finally:
-        await index.close()
-
-
 @pytest.mark.parametrize(
     ("ours", "mismatch"),
     [
@@ -112,10 +99,10 @@ async def probe_index(request: pytest.FixtureRequest) -> AsyncIterator[PrefixInd
     ],
 )
 async def test_run_handshake_against_a_sim_names_the_differing_setting(
-    sim: RunningReplica, probe_index: PrefixIndex, ours: HashConfig, mismatch: str | None
+    sim: RunningReplica, index: PrefixIndex, ours: HashConfig, mismatch: str | None
 ) -> None:
-    async with indexed(sim, probe_index) as indexer, aiohttp.ClientSession() as session:
-        result = await run_handshake(session, sim.url, SIM_MODEL, ours, probe_index,
+    async with indexed(sim, index) as indexer, aiohttp.ClientSession() as session:
+        result = await run_handshake(session, sim.url, SIM_MODEL, ours, index,
                                      timeout_s=10, vocab_size=1000)
         stats = indexer.stats()["sim-0"]
     assert result.verified == (mismatch is None), result
