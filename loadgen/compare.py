@@ -59,7 +59,7 @@ from loadgen.workloads import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_conversation.jsonl"
 DEFAULT_MODEL_DIR = REPO / ".cache" / "tiny-model"
 MODEL_NAME = "tiny"
 POLICIES = ("random", "round_robin", "least_loaded", "session_affinity", "cache_aware")

@@ -26,7 +26,7 @@ from loadgen.workloads import (
 from router.hashing import HashConfig, chain_hashes, first_divergence, shared_prefix_blocks
 
 REPO = Path(__file__).resolve().parents[2]
-TRACES = REPO.parent / "shared" / "traces"
+TRACES = REPO / "loadgen" / "traces"
 
 
 def _chat(**kw: object) -> ChatWorkload:
@@ -222,13 +222,43 @@ def test_trace_workload_start_replays_a_later_window(tmp_path: Path) -> None:
         TraceWorkload(path, start=-1)
 
 
-def test_the_shared_mooncake_trace_reads() -> None:
+def test_the_vendored_mooncake_trace_reads() -> None:
     records = list(read_trace(TRACES / "mooncake_conversation.jsonl", limit=3))
     assert [r.input_length for r in records] == [6758, 7322, 7236]
     assert records[0].hash_ids[:3] == (0, 1, 2)
     prompts = [expand_hash_ids(r.hash_ids, r.input_length) for r in records]
     # Records 0 and 1 share only hash id 0: one 512-token block.
     assert first_divergence(prompts[0], prompts[1]) == 512
+
+
+@pytest.mark.parametrize(("name", "requests", "bound"), [
+    ("mooncake_conversation.jsonl", 12031, 0.373),
+    ("mooncake_synthetic.jsonl", 3993, 0.650),
+])
+def test_vendored_traces_match_their_readme(name: str, requests: int, bound: float) -> None:
+    """The facts loadgen/traces/README.md states: request counts and the oracle bounds."""
+    records = list(read_trace(TRACES / name))
+    assert len(records) == requests
+    # Unlimited cache over full 512-token blocks; hash ids are already chained, so a
+    # block hits when its id was stored before, up to the first miss.
+    seen: set[int] = set()
+    hit = total = 0
+    for r in records:
+        cap = min((r.input_length - 1) // 512, len(r.hash_ids))
+        run = 0
+        while run < cap and r.hash_ids[run] in seen:
+            run += 1
+        hit += run * 512
+        total += r.input_length
+        seen.update(r.hash_ids[: r.input_length // 512])
+    assert round(hit / total, 3) == bound
+
+
+def test_the_default_trace_is_inside_the_repository() -> None:
+    from loadgen.compare import DEFAULT_TRACE
+
+    assert DEFAULT_TRACE == TRACES / "mooncake_conversation.jsonl"
+    assert DEFAULT_TRACE.is_file()
 
 
 def test_groups_shape() -> None:
