@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from replica.profiles import PrefillProfile
+from replica.profiles import SimCostProfile
 
 DEFAULT_LENGTHS = (64, 256, 512, 1024, 2048)
 
@@ -103,7 +103,7 @@ def _nonneg_lstsq(columns: list[np.ndarray], y: np.ndarray) -> list[float]:
             return [0.0] * len(columns)
 
 
-def fit_profile(samples: Sequence[Sample], name: str = "calibrated") -> PrefillProfile:
+def fit_profile(samples: Sequence[Sample], name: str = "calibrated") -> SimCostProfile:
     """Fit the linear + quadratic prefill profile (and kv_read_s from decode gaps)."""
     n = np.array([s.prompt_tokens for s in samples], dtype=float)
     y = np.array([s.ttft for s in samples], dtype=float)
@@ -114,7 +114,7 @@ def fit_profile(samples: Sequence[Sample], name: str = "calibrated") -> PrefillP
         ctx = np.array([s.prompt_tokens for s in decodes], dtype=float)
         gap = np.array([s.decode_gap for s in decodes], dtype=float)
         _, kv_read = _nonneg_lstsq([np.ones_like(ctx), ctx], gap)
-    return PrefillProfile(name, base_s=base, token_s=token, attention_s=attention,
+    return SimCostProfile(name, base_s=base, token_s=token, attention_s=attention,
                           kv_read_s=kv_read)
 
 

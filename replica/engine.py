@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from replica.pool import CacheHit, KVCacheManager, SequenceState, new_sequence
-from replica.profiles import INSTANT, PrefillProfile
+from replica.profiles import INSTANT, SimCostProfile
 from router.hashing import HashConfig, LoraRef
 from router.kv_events import KVEvent
 
@@ -57,7 +57,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_prefix_caching: bool = True
-    profile: PrefillProfile = INSTANT
+    profile: SimCostProfile = INSTANT
     seed: int = 0
     vocab_size: int = 32000
     # Generated tokens avoid these ids (a tokenizer's special tokens).
