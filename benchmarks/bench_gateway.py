@@ -24,7 +24,6 @@ import asyncio
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from replica.fleet import SimFleet, free_port  # noqa: E402
+from replica.fleet import SimFleet  # noqa: E402
+from replica.processes import free_port, stop_process, wait_until  # noqa: E402
 from router.hashing import HashConfig  # noqa: E402
 from router.routing import ChainCache  # noqa: E402
 
@@ -71,24 +71,12 @@ def start_process(cmd: list[str], ready_url: str, log_path: Path,
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                 env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + timeout
-    while not _ok(ready_url):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_process(proc)
-            raise RuntimeError(f"{cmd[0:4]} did not become ready:\n"
-                               f"{log_path.read_text(errors='replace')[-3000:]}")
-        time.sleep(0.1)  # polling readiness against a deadline
+    try:
+        wait_until(lambda: _ok(ready_url), timeout, f"{cmd[0:4]} to be ready", proc=proc)
+    except (TimeoutError, RuntimeError) as exc:
+        stop_process(proc)
+        raise RuntimeError(f"{exc}:\n{log_path.read_text(errors='replace')[-3000:]}") from None
     return proc
-
-
-def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def start_cacheroute(fleet: SimFleet, tmp: Path) -> Router:

@@ -34,10 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -47,6 +44,7 @@ from functools import partial
 import zmq
 import zmq.asyncio
 
+from replica.processes import RedisServer
 from router.events import ReplicaEventStream
 from router.index import IndexOp, MemoryIndex, NearCache, PrefixIndex, RedisIndex
 from router.kv_events import BlockRemoved, BlockStored, EventBatch, encode_batch, seq_bytes
@@ -55,36 +53,18 @@ MODEL = "bench"
 CHAIN_LENGTHS = (64, 512, 2048, 8192)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def own_redis() -> Iterator[str]:
     """A private redis-server on a free loopback port, stopped on exit."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = RedisServer()
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise SystemExit("redis-server did not start") from None
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
+        server.start()
+    except FileNotFoundError as exc:  # redis-server is not installed
+        raise SystemExit(str(exc)) from None
+    try:
+        yield server.url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        server.stop()
 
 
 async def pipeline_lookup(index: RedisIndex, model: str, keys: Sequence[int]) -> dict[str, int]:

@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from replica.fleet import SimFleet, free_port  # noqa: E402
+from replica.fleet import SimFleet  # noqa: E402
+from replica.processes import free_port, stop_process, wait_until  # noqa: E402
 
 MODEL = "sim"
 SECRET = "soak-salt-secret-0123456789abcdef"
@@ -95,23 +95,12 @@ def start_gateway(fleet: SimFleet, tmp: Path) -> tuple[subprocess.Popen[bytes], 
              "WARNING"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, env={**os.environ, "CACHEROUTE_SALT_SECRET": SECRET})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while not _ready(url):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError((tmp / "gateway.log").read_text()[-3000:])
-        time.sleep(0.1)  # polling /ready against a deadline
+    try:
+        wait_until(lambda: _ready(url), 60, "the gateway to be ready", proc=proc)
+    except (TimeoutError, RuntimeError) as exc:
+        stop_process(proc)
+        raise RuntimeError(f"{exc}:\n{(tmp / 'gateway.log').read_text()[-3000:]}") from None
     return proc, url
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 class Workload:
@@ -225,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             windows, rss_start, rss_end = asyncio.run(
                 soak(url, gateway, args.duration, args.window, args.clients, args.seed))
         finally:
-            stop(proc)
+            stop_process(proc, grace_s=15)
 
     total = sum(w.requests for w in windows)
     errors = sum(w.errors for w in windows)

@@ -15,11 +15,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -27,15 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from replica.processes import STOP_GRACE_S, ProcessExited, WaitTimeout, stop_process, wait_until
+from replica.processes import free_port as free_port  # re-exported: tests and benchmarks use it
+
 STARTUP_TIMEOUT_S = 60.0
-STOP_GRACE_S = 10.0
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -181,28 +174,16 @@ class SimFleet:
                               cmd, Path(log_name))
 
     def _wait_healthy(self, r: RunningReplica) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        while not is_healthy(r.url):
-            if r.proc.poll() is not None:
-                raise RuntimeError(f"{r.name} exited with {r.proc.returncode} before becoming "
-                                   f"healthy:\n{r.log_tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{r.name} on {r.url} not healthy within "
-                                   f"{self.startup_timeout}s:\n{r.log_tail()}")
-            time.sleep(0.05)  # polling /health against a deadline
+        try:
+            wait_until(lambda: is_healthy(r.url), self.startup_timeout,
+                       f"{r.name} on {r.url} to answer /health", proc=r.proc)
+        except (ProcessExited, WaitTimeout) as exc:
+            raise type(exc)(f"{exc}:\n{r.log_tail()}") from None
 
     @staticmethod
     def _terminate(r: RunningReplica) -> None:
-        if r.proc.poll() is None:
-            if r.paused:
-                r.proc.send_signal(signal.SIGCONT)
-                r.paused = False
-            r.proc.terminate()
-            try:
-                r.proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                r.proc.kill()
-                r.proc.wait()
+        stop_process(r.proc)  # resumes a paused replica first, so it can exit cleanly
+        r.paused = False
         r.log_path.unlink(missing_ok=True)
 
 

@@ -5,15 +5,12 @@ Every process a fixture starts is stopped when the test ends, whatever happened.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -26,6 +23,8 @@ import pytest
 import yaml
 
 from replica.fleet import RunningReplica
+from replica.processes import stop_process, wait_until_async
+from replica.processes import wait_until as wait_until_sync
 from router.app import GATEWAY, Gateway, build_app, running_gateway
 from router.config import build_config
 from router.hashing import HashConfig, chain_hashes, event_key
@@ -122,13 +121,7 @@ class GatewayClient:
 async def wait_until(condition: Callable[[], Awaitable[bool]], within_s: float = 10.0,
                      what: str = "condition") -> None:
     """Poll `condition` until it holds, or fail after `within_s` seconds."""
-    deadline = time.monotonic() + within_s
-    while True:
-        if await condition():
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within_s}s waiting for {what}")
-        await asyncio.sleep(0.02)  # polling a condition against a deadline
+    await wait_until_async(condition, within_s, what)
 
 
 def chain_keys(tokens: Sequence[int], salt: str | None) -> list[int]:
@@ -204,11 +197,10 @@ class ProcessGroup:
         path = self.write_config(raw, name)
         proc = self.spawn(["serve", "--config", str(path), "--log-level", "WARNING"], name)
         url = f"http://127.0.0.1:{raw['listen']['port']}"
-        deadline = time.monotonic() + 60
-        while not _ready(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"gateway {name} did not become ready:\n{self.log(proc)}")
-            time.sleep(0.05)  # polling /ready against a deadline
+        try:
+            wait_until_sync(lambda: _ready(url), 60, f"gateway {name} to be ready", proc=proc)
+        except Exception as exc:
+            raise RuntimeError(f"{exc}:\n{self.log(proc)}") from None
         return url
 
     def log(self, proc: subprocess.Popen[bytes]) -> str:
@@ -220,13 +212,9 @@ class ProcessGroup:
     def stop(self) -> None:
         for proc, _ in self.procs:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+                proc.terminate()  # all at once: they shut down in parallel
         for proc, _ in self.procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, grace_s=15)
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,6 +11,7 @@ import pytest
 import zmq
 
 from replica.fleet import SimFleet
+from replica.processes import wait_until
 from router.kv_events import END_SEQ, EventBatch, decode_batch, parse_seq, seq_bytes
 
 
@@ -42,15 +42,6 @@ def scrape(url: str) -> dict[str, float]:
         out[key] = float(value)
         out.setdefault(re.sub(r"\{.*\}", "", key), float(value))
     return out
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    """Poll `cond` until true or fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)  # polling a condition against a deadline
 
 
 class Subscriber:
