@@ -5,9 +5,12 @@ per replica); the output is a `RoutingDecision` whose `ranked` lists every eligi
 replica best first. cache_aware minimises the predicted time to first token:
 
     cached   = min(matched_blocks, (n - 1) // block_size) * block_size   (0 if unverified)
-    prefill  = base_s + per_token_s * (n - cached) + per_token_context_s * (n - cached) * n
+    prefill  = bias * (base_s + per_token_s * (n - cached) + per_token_context_s * (n - cached) * n)
+    work     = prefill seconds queued ahead of it there (ours, router/outstanding.py)
+             + others' waiting requests x the typical prefill there
     load     = max(inflight, running + waiting)
-    queue    = load_cost_s * load + saturation_cost_s * max(0, load - capacity)
+    queue    = work + decode pressure + load_cost_s * load
+             + saturation_cost_s * max(0, load - capacity)
              + kv_cost_s * max(0, kv_usage - kv_threshold) / (1 - kv_threshold)
     hot      = hot_cost_s * max(0, load - (hot_ratio * mean_load + hot_slack))
     ttft     = queue + hot + prefill;   score = best ttft / ttft in (0, 1]

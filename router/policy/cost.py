@@ -2,9 +2,15 @@
 
     cached    = min(matched_blocks * block_size, max cacheable)   (0 if unverified)
     uncached  = num_prompt_tokens - cached
-    prefill   = base_s + per_token_s * uncached + per_token_context_s * uncached * num_prompt_tokens
+    prefill   = bias * (base_s + per_token_s * uncached
+                        + per_token_context_s * uncached * num_prompt_tokens)
+    work      = queued_prefill_s                             # ours, ahead of it (outstanding.py)
+              + bias * external_waiting * typical_prefill     # others' waiting requests
+    decode    = bias * (decoding + external_running) * per_token_s * steps
+    steps     = max(1, ceil(uncached / prefill_chunk_tokens))
     load      = max(inflight, running + waiting)
-    queue     = load_cost_s * load
+    queue     = work + decode
+              + load_cost_s * load
               + saturation_cost_s * max(0, load - capacity)
               + kv_cost_s * max(0, kv_usage - kv_threshold) / (1 - kv_threshold)
     hot       = hot_cost_s * max(0, load - (hot_ratio * mean_load + hot_slack))
@@ -13,11 +19,21 @@
 "max cacheable" is (num_prompt_tokens - 1) // block_size blocks: vLLM always recomputes
 the last prompt token, so a fully cached prompt still prefills one block's worth.
 
-The hot term is the guard against hot-spotting. Left to the queue term alone, a popular
-prefix keeps landing on the one replica holding it until that replica's queue costs more
-than a whole cold prefill; well before that, copying the prefix to a second replica is
-cheap (one cold prefill) and halves the queue. So a replica far above the fleet's mean
-load pays extra, and the prefix spreads once its holder saturates.
+The queue is seconds of work, not a count: a replica with one 16k-token cold prefill
+queued is busier than one with five cached follow-ups. `work` is what this gateway sent
+there and has not seen a first byte for, drained first come first served from the last
+measured first byte; other clients' requests (other gateways, from the scrape) are
+charged the mean predicted prefill of what this gateway sends there (`typical_prefill`),
+since gateways behind one load balancer see the same traffic. Each decoding sequence
+shares every step of the new prefill and adds its one token of compute to each.
+`bias` is the replica's learned measured/predicted TTFT ratio, so a profile that is off
+by a constant factor is corrected from the replica's own answers.
+
+The hot term is the guard against hot-spotting. A popular prefix keeps landing on the one
+replica holding it until that replica's queue costs more than a whole cold prefill; well
+before that, copying the prefix to a second replica is cheap (one cold prefill) and halves
+the queue. So a replica far above the fleet's mean load pays extra, and the prefix
+spreads once its holder saturates.
 """
 
 from __future__ import annotations
@@ -37,6 +53,7 @@ class TtftEstimate:
     queue_s: float
     hot_s: float
     prefill_s: float
+    profile_prefill_s: float = 0.0  # prefill_s before the replica's learned bias
 
     @property
     def total_s(self) -> float:
@@ -63,18 +80,29 @@ def estimate_ttft(
 ) -> TtftEstimate:
     """Predicted TTFT of `request` on `replica` (see the module docstring for the formula)."""
     cached = cached_tokens(request, replica)
-    uncached = max(request.num_prompt_tokens - cached, 0)
+    n = request.num_prompt_tokens
+    uncached = max(n - cached, 0)
     profile: PrefillProfile = replica.profile or config.prefill
-    prefill_s = profile.seconds(uncached, request.num_prompt_tokens)
+    bias = replica.bias
+    profile_prefill_s = profile.seconds(uncached, n)
+    prefill_s = bias * profile_prefill_s
+
+    typical = replica.mean_prefill_s or profile.seconds(n, n)
+    work_s = replica.queued_prefill_s + bias * replica.external_waiting * typical
+    steps = max(1, -(-uncached // max(1, config.prefill_chunk_tokens)))
+    decode_s = (bias * (replica.decoding + replica.external_running)
+                * profile.per_token_s * steps)
 
     load = replica.load
     capacity = replica.capacity or config.saturation_load
     kv_over = max(0.0, replica.kv_usage - config.kv_threshold) / (1.0 - config.kv_threshold)
     queue_s = (
-        config.load_cost_s * load
+        work_s
+        + decode_s
+        + config.load_cost_s * load
         + config.saturation_cost_s * max(0, load - capacity)
         + config.kv_cost_s * kv_over
     )
     hot_line = config.hot_ratio * fleet_mean_load + config.hot_slack
     hot_s = config.hot_cost_s * max(0.0, load - hot_line)
-    return TtftEstimate(cached, queue_s, hot_s, prefill_s)
+    return TtftEstimate(cached, queue_s, hot_s, prefill_s, profile_prefill_s)

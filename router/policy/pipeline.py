@@ -102,6 +102,9 @@ class Policy:
             predicted_cached=MappingProxyType(
                 {rid: e.cached_tokens for rid, e in estimates.items()}
             ),
+            predicted_work=MappingProxyType(
+                {rid: (e.profile_prefill_s, e.total_s) for rid, e in estimates.items()}
+            ),
         )
 
 

@@ -40,13 +40,19 @@ class PrefillProfile:
 class PolicyConfig:
     """Which policy to run and the knobs of its scorers and picker.
 
-    The cost terms (see docs/POLICY.md) are in seconds of predicted time to first token:
-    load_cost_s per outstanding request, saturation_cost_s per request beyond a replica's
+    The cost terms (see docs/POLICY.md) are in seconds of predicted time to first token.
+    The queue is the replica's outstanding work (router/outstanding.py); on top of it,
+    load_cost_s per outstanding request (the scheduler's per-request overhead, and a
+    tie-break between equally idle replicas), prefill_chunk_tokens is the replica's
+    per-step prefill budget (vLLM's max_num_batched_tokens: a prefill of n uncached tokens
+    shares ceil(n / budget) steps with every decoding sequence), saturation_cost_s per request beyond a replica's
     capacity (saturation_load when the replica states none), kv_cost_s at full KV usage
     above kv_threshold, hot_cost_s per request above hot_ratio * fleet mean + hot_slack.
     `tolerance` is the relative cost slack within which cache_aware samples replicas
     instead of always taking the single best (several gateways deciding at once would
-    otherwise herd onto one replica). `weights` overrides the policy's scorer weights by
+    otherwise herd onto one replica). `pending_ttl_s` is how long a routed chain counts as
+    cached on its replica before that replica's KV events confirm it (router/pending.py;
+    0 turns it off). `weights` overrides the policy's scorer weights by
     scorer name.
     """
 
@@ -55,6 +61,7 @@ class PolicyConfig:
     weights: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     prefill: PrefillProfile = field(default_factory=PrefillProfile)
     load_cost_s: float = 0.005
+    prefill_chunk_tokens: int = 2048
     saturation_load: int = 64
     saturation_cost_s: float = 0.25
     kv_threshold: float = 0.9
@@ -63,6 +70,7 @@ class PolicyConfig:
     hot_slack: float = 2.0
     hot_cost_s: float = 0.05
     tolerance: float = 0.1
+    pending_ttl_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,16 @@ class ReplicaState:
     models: frozenset[str] | None = None
     ejected: bool = False
     capacity: int | None = None
+    # Outstanding work (router/outstanding.py): seconds of prefill this gateway has queued
+    # ahead of a new request, its requests decoding there, what other clients have there
+    # beyond ours (from the last scrape), the mean predicted prefill of requests sent
+    # there, and the learned measured/predicted TTFT ratio.
+    queued_prefill_s: float = 0.0
+    decoding: int = 0
+    external_waiting: int = 0
+    external_running: int = 0
+    mean_prefill_s: float = 0.0
+    bias: float = 1.0
 
     @property
     def load(self) -> int:
@@ -128,3 +146,7 @@ class RoutingDecision:
     relaxed: tuple[str, ...] = ()
     costs: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     predicted_cached: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # replica id -> (predicted prefill seconds by its profile, predicted TTFT seconds):
+    # what the proxy enters in the replica's outstanding-work account when it sends there.
+    predicted_work: Mapping[str, tuple[float, float]] = field(
+        default_factory=lambda: MappingProxyType({}))

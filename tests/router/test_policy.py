@@ -360,3 +360,73 @@ def test_decision_invariants(
         # After the chosen one, the ranking is by score, best first.
         rest = [d.scores[r] for r in d.ranked[1:]]
         assert rest == sorted(rest, reverse=True)
+
+
+# --------------------------------------------------------------- load as outstanding work
+
+
+def test_queue_is_seconds_of_work_not_a_count() -> None:
+    # r0 has one 16k-token cold prefill queued (0.38 s); r1 has five cached follow-ups
+    # queued (5 x 0.0124 s). The old count-based queue preferred r0 (1 request < 5).
+    config = PolicyConfig()
+    long_cold = config.prefill.seconds(16_000, 16_000)
+    short_cached = config.prefill.seconds(16, 2000)
+    states = [
+        ReplicaState("r0", block_size=16, inflight=1, queued_prefill_s=long_cold),
+        ReplicaState("r1", block_size=16, inflight=5, queued_prefill_s=5 * short_cached),
+    ]
+    assert policy().decide(request(), states).replica_id == "r1"
+    assert estimate_ttft(request(), states[0], 3.0, config).queue_s == pytest.approx(
+        long_cold + config.load_cost_s * 1)
+
+
+def test_a_cache_hit_behind_a_long_queue_loses_to_a_cold_idle_replica() -> None:
+    # r0 holds the whole prompt but has 2 s of prefill queued: a cold prefill elsewhere
+    # (0.058 s) is the faster first token.
+    states = [
+        ReplicaState("r0", block_size=16, matched_blocks=FULL, inflight=4, queued_prefill_s=2.0),
+        ReplicaState("r1", block_size=16),
+    ]
+    assert policy().decide(request(), states).replica_id == "r1"
+    # With only 20 ms queued, the hit still wins.
+    states[0] = replace(states[0], queued_prefill_s=0.02)
+    assert policy().decide(request(), states).replica_id == "r0"
+
+
+def test_other_clients_waiting_requests_cost_the_typical_prefill() -> None:
+    config = PolicyConfig()
+    r = ReplicaState("a", block_size=16, waiting=3, external_waiting=3, mean_prefill_s=0.2)
+    est = estimate_ttft(request(), r, 3.0, config)
+    assert est.queue_s == pytest.approx(3 * 0.2 + config.load_cost_s * 3)
+    # Never seen a request there: charge each this request's own cold prefill.
+    fresh = replace(r, mean_prefill_s=0.0)
+    assert estimate_ttft(request(), fresh, 3.0, config).queue_s == pytest.approx(
+        3 * config.prefill.seconds(PROMPT, PROMPT) + config.load_cost_s * 3)
+
+
+def test_decoding_sequences_share_every_prefill_step() -> None:
+    config = PolicyConfig(prefill_chunk_tokens=512)
+    r = ReplicaState("a", block_size=16, decoding=6, external_running=4, inflight=6, running=10)
+    est = estimate_ttft(request(), r, 10.0, config)
+    steps = 4  # ceil(2000 / 512)
+    decode = 10 * config.prefill.per_token_s * steps
+    assert est.queue_s == pytest.approx(decode + config.load_cost_s * 10)
+
+
+def test_learned_bias_scales_prefill_and_the_others_queue() -> None:
+    config = PolicyConfig()
+    slow = ReplicaState("a", block_size=16, bias=2.0, external_waiting=1, waiting=1,
+                        mean_prefill_s=0.1)
+    est = estimate_ttft(request(), slow, 1.0, config)
+    assert est.prefill_s == pytest.approx(2.0 * config.prefill.seconds(PROMPT, PROMPT))
+    assert est.profile_prefill_s == pytest.approx(config.prefill.seconds(PROMPT, PROMPT))
+    assert est.queue_s == pytest.approx(2.0 * 0.1 + config.load_cost_s)
+
+
+def test_decision_carries_each_replicas_predicted_work_for_the_proxy() -> None:
+    config = PolicyConfig()
+    states = [ReplicaState("r0", block_size=16, matched_blocks=FULL), ReplicaState("r1", block_size=16)]
+    d = policy().decide(request(), states)
+    assert d.predicted_work["r0"][0] == pytest.approx(config.prefill.seconds(16, PROMPT))
+    assert d.predicted_work["r1"][0] == pytest.approx(config.prefill.seconds(PROMPT, PROMPT))
+    assert d.predicted_work["r0"][1] == pytest.approx(d.costs["r0"])

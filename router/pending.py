@@ -1,0 +1,117 @@
+"""Chains routed but not yet announced: the index's blind spot, closed per gateway.
+
+Between sending a new prefix to a replica and that replica's BlockStored events (which
+come only once its prefill is done: seconds for a long prompt under load), the index
+knows nothing of it. Requests sharing the prefix that arrive in that window would see no
+match anywhere and scatter (each paying a cold prefill) or herd by load. So the gateway
+remembers each chain it routes as *pending* on the chosen replica for a short time:
+lookups take the longer of the index's match and the pending one, and the events, once
+they arrive, carry on. Dynamo's predicted-TTL indexer and vllm-router's speculative
+entries do the same.
+
+A pending entry is a prediction, not a fact, so it is bounded three ways: it expires
+`ttl_s` after the request was routed, it is dropped when that request fails, and the
+whole store holds at most `capacity_blocks` keys (oldest routes first out). Pure and
+synchronous; `now` is passed in.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class _Route:
+    model: str
+    replica_id: str
+    keys: tuple[int, ...]
+    expires_at: float
+
+
+class PendingChains:
+    """Recently routed chains per (model, replica), each with an expiry."""
+
+    def __init__(self, ttl_s: float = 10.0, capacity_blocks: int = 200_000) -> None:
+        self.ttl_s = ttl_s
+        self.capacity_blocks = capacity_blocks
+        self._routes: OrderedDict[int, _Route] = OrderedDict()
+        # (model, replica) -> key -> number of live routes holding it
+        self._held: dict[tuple[str, str], dict[int, int]] = {}
+        self._blocks = 0
+        self._next = 0
+
+    def add(self, model: str, replica_id: str, keys: Sequence[int], now: float) -> int:
+        """Remember `keys` as pending on the replica; returns a handle for `drop`."""
+        self._expire(now)
+        handle = self._next
+        self._next += 1
+        if not keys or self.ttl_s <= 0:
+            return handle
+        route = _Route(model, replica_id, tuple(keys), now + self.ttl_s)
+        self._routes[handle] = route
+        held = self._held.setdefault((model, replica_id), {})
+        for k in route.keys:
+            held[k] = held.get(k, 0) + 1
+        self._blocks += len(route.keys)
+        while self._blocks > self.capacity_blocks and self._routes:
+            self._remove(next(iter(self._routes)))
+        return handle
+
+    def drop(self, handle: int) -> None:
+        """Forget a route whose request failed: the replica never cached it."""
+        if handle in self._routes:
+            self._remove(handle)
+
+    def matches(self, model: str, keys: Sequence[int], replica_ids: Iterable[str],
+                now: float) -> dict[str, int]:
+        """Leading blocks of `keys` pending on each replica (replicas with none omitted)."""
+        self._expire(now)
+        out: dict[str, int] = {}
+        for rid in replica_ids:
+            held = self._held.get((model, rid))
+            if not held:
+                continue
+            n = 0
+            for k in keys:
+                if k not in held:
+                    break
+                n += 1
+            if n:
+                out[rid] = n
+        return out
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def _expire(self, now: float) -> None:
+        # Routes are added in time order with one ttl, so the oldest expires first.
+        while self._routes:
+            handle, route = next(iter(self._routes.items()))
+            if route.expires_at > now:
+                break
+            self._remove(handle)
+
+    def _remove(self, handle: int) -> None:
+        route = self._routes.pop(handle)
+        scope = (route.model, route.replica_id)
+        held = self._held[scope]
+        for k in route.keys:
+            left = held[k] - 1
+            if left:
+                held[k] = left
+            else:
+                del held[k]
+        if not held:
+            del self._held[scope]
+        self._blocks -= len(route.keys)
+
+
+def merge_matches(indexed: Mapping[str, int], pending: Mapping[str, int]) -> dict[str, int]:
+    """Per replica, the longer of the index's and the pending leading match."""
+    out = dict(indexed)
+    for rid, n in pending.items():
+        if n > out.get(rid, 0):
+            out[rid] = n
+    return out

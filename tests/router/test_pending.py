@@ -1,0 +1,51 @@
+"""Pending chains: a routed prefix counts on its replica until events can confirm it."""
+
+from __future__ import annotations
+
+from router.pending import PendingChains, merge_matches
+
+
+def test_a_routed_chain_matches_its_leading_run_on_that_replica_only() -> None:
+    pending = PendingChains(ttl_s=10.0)
+    pending.add("m", "r0", [1, 2, 3, 4], now=0.0)
+    assert pending.matches("m", [1, 2, 3, 4, 5], ["r0", "r1"], now=1.0) == {"r0": 4}
+    assert pending.matches("m", [1, 2, 9, 4], ["r0"], now=1.0) == {"r0": 2}
+    assert pending.matches("m", [9, 1, 2], ["r0"], now=1.0) == {}
+    assert pending.matches("other-model", [1, 2], ["r0"], now=1.0) == {}
+
+
+def test_entries_expire_after_the_ttl() -> None:
+    pending = PendingChains(ttl_s=2.0)
+    pending.add("m", "r0", [1, 2], now=0.0)
+    pending.add("m", "r1", [1, 2], now=1.0)
+    assert pending.matches("m", [1, 2], ["r0", "r1"], now=1.9) == {"r0": 2, "r1": 2}
+    assert pending.matches("m", [1, 2], ["r0", "r1"], now=2.5) == {"r1": 2}
+    assert pending.matches("m", [1, 2], ["r0", "r1"], now=3.0) == {}
+    assert len(pending) == 0
+
+
+def test_dropping_a_failed_route_keeps_other_routes_of_the_same_prefix() -> None:
+    pending = PendingChains(ttl_s=10.0)
+    first = pending.add("m", "r0", [1, 2, 3], now=0.0)
+    pending.add("m", "r0", [1, 2], now=0.5)
+    pending.drop(first)
+    assert pending.matches("m", [1, 2, 3], ["r0"], now=1.0) == {"r0": 2}
+    pending.drop(first)  # twice is harmless
+
+
+def test_capacity_evicts_the_oldest_routes_first() -> None:
+    pending = PendingChains(ttl_s=10.0, capacity_blocks=5)
+    pending.add("m", "r0", [1, 2, 3], now=0.0)
+    pending.add("m", "r1", [7, 8, 9], now=0.1)  # 6 blocks > 5: r0's route goes
+    assert pending.matches("m", [1, 2, 3], ["r0"], now=0.2) == {}
+    assert pending.matches("m", [7, 8, 9], ["r1"], now=0.2) == {"r1": 3}
+
+
+def test_zero_ttl_turns_it_off() -> None:
+    pending = PendingChains(ttl_s=0.0)
+    pending.add("m", "r0", [1, 2], now=0.0)
+    assert pending.matches("m", [1, 2], ["r0"], now=0.0) == {}
+
+
+def test_merge_takes_the_longer_match_per_replica() -> None:
+    assert merge_matches({"a": 3, "b": 1}, {"b": 4, "c": 2}) == {"a": 3, "b": 4, "c": 2}
