@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from router._cli import main
+from router.cli.subcommands import dispatch
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "single-engine": ("loadgen.single_engine", "run the chat workload on one in-process sim"),
@@ -13,4 +13,4 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 if __name__ == "__main__":
-    sys.exit(main("python -m loadgen", __doc__ or "", COMMANDS))
+    sys.exit(dispatch("python -m loadgen", __doc__ or "", COMMANDS))

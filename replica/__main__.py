@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from router._cli import main
+from router.cli.subcommands import dispatch
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "tiny-model": ("replica.tiny_model", "build a tiny random Llama with a tokenizer, offline"),
@@ -14,4 +14,4 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 if __name__ == "__main__":
-    sys.exit(main("python -m replica", __doc__ or "", COMMANDS))
+    sys.exit(dispatch("python -m replica", __doc__ or "", COMMANDS))

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import sys
 
-from router._cli import main
+from router.cli.subcommands import dispatch
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("router.serve", "run the cache-aware gateway"),
-    "indexer": ("router.indexer", "feed the shared index from the replicas' KV events"),
-    "tokenize": ("router.tokenize_cmd", "print the prompt token ids a request renders to"),
-    "hash": ("router.hash_cmd", "print the block keys of token ids read from stdin"),
-    "diagnose": ("router.diagnose", "explain where two prompts stop sharing cached blocks"),
-    "bench-hash": ("router.bench_hash", "measure hashing and tokenization throughput"),
+    "serve": ("router.cli.serve", "run the cache-aware gateway"),
+    "indexer": ("router.cli.indexer", "feed the shared index from the replicas' KV events"),
+    "tokenize": ("router.cli.tokenize", "print the prompt token ids a request renders to"),
+    "hash": ("router.cli.hash", "print the block keys of token ids read from stdin"),
+    "diagnose": ("router.cli.diagnose", "explain where two prompts stop sharing cached blocks"),
 }
 
 if __name__ == "__main__":
-    sys.exit(main("python -m router", __doc__ or "", COMMANDS))
+    sys.exit(dispatch("python -m router", __doc__ or "", COMMANDS))

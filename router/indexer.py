@@ -1,13 +1,9 @@
-"""`python -m router indexer`: feed the shared prefix index from the replicas' KV events.
+"""The indexer process's work: which KV-event feeds to follow, and following them.
 
-One process subscribes to every replica's KV-event stream and keeps the Redis index the
-gateways read in step with what the replicas hold. Replicas come from flags
-
-    --replica NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,model=NAME][,topic=T]
-
-or from the gateway's config (`--config gateway.yaml`: every replica with kv_events
-set; its name, first model and kv_replay). NAME must be the replica id the gateway uses
-(the config's replica name), or lookups will never match it.
+`python -m router indexer` (router/cli/indexer.py) is its command line. The feeds come
+from flags or from the gateway's config (`feeds_from_config`: every replica with
+kv_events set; its name, first model and kv_replay). A feed's replica id must be the id
+the gateway uses for that replica, or lookups will never match it.
 
 A config replica given by `dns: HOST:PORT` stands for every address HOST resolves to:
 one stream per address, named "ADDRESS:PORT" as the gateway names DNS-discovered
@@ -17,40 +13,30 @@ re-resolved every dns_refresh_s; streams follow the set (a failed resolution kee
 last known set, as the gateway does).
 
 Rekey (router/events.py): a config replica is indexed in one of three modes, from its
-`rekey` setting when the config has one, else from --rekey (default never):
+`rekey` setting when the config has one, else from the command's --rekey (default never):
   never   its keys are indexed as they are (they must be the gateway's);
   always  every block is re-keyed from its token ids with the replica's configured
           block_size / hash_algo / hash_seed, the keys the gateway computes for it;
   auto    its first root block is compared with the gateway's key; re-keyed only if
           they differ (a replica started with another PYTHONHASHSEED or algorithm).
 Re-keying needs the same block size; the log line for each stream says its mode.
-
-Runs until SIGTERM or SIGINT, logging each stream's counters every --stats-interval.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
 import os
 import signal
 import socket
-import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from router.events import (
-    DEFAULT_REPLAY_TIMEOUT_S,
-    EventIndexer,
-    RekeyMode,
-    ReplicaFeed,
-    StreamStats,
-)
+from router.events import EventIndexer, RekeyMode, ReplicaFeed, StreamStats
 from router.hashing import HashConfig
-from router.index import MemoryIndex, PrefixIndex, RedisIndex
+from router.index import PrefixIndex
 
 if TYPE_CHECKING:
     from router.config import ReplicaConfig
@@ -62,56 +48,6 @@ DNS_TIMEOUT_S = 2.0
 
 # (host, port) -> addresses; the indexer resolves with getaddrinfo, tests pass their own.
 Resolver = Callable[[str, int], Awaitable[list[str]]]
-
-
-@dataclass(frozen=True)
-class ReplicaSpec:
-    """One --replica flag, before the default model is filled in."""
-
-    name: str
-    endpoint: str
-    replay: str | None = None
-    model: str | None = None
-    topic: str = ""
-
-
-def parse_replica(text: str) -> ReplicaSpec:
-    """Parse NAME=tcp://HOST:PORT[,replay=URL][,model=NAME][,topic=T]."""
-    name, sep, rest = text.partition("=")
-    if not sep or not name or not rest:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected NAME=tcp://HOST:PORT[,replay=...][,model=...]")
-    endpoint, *options = rest.split(",")
-    if "://" not in endpoint:
-        raise argparse.ArgumentTypeError(f"{text!r}: {endpoint!r} is not a ZMQ endpoint")
-    fields: dict[str, str] = {}
-    for option in options:
-        key, sep, value = option.partition("=")
-        if not sep or key not in ("replay", "model", "topic"):
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: unknown option {option!r}; use replay=, model= or topic=")
-        fields[key] = value
-    return ReplicaSpec(name, endpoint, fields.get("replay"), fields.get("model"),
-                       fields.get("topic", ""))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The indexer's flags."""
-    parser.add_argument("--index", help="redis://HOST:PORT/DB (or 'memory', for a dry run); "
-                        "defaults to the config's index")
-    parser.add_argument("--replica", action="append", default=[], type=parse_replica,
-                        metavar="NAME=tcp://HOST:PORT[,replay=URL][,model=NAME]",
-                        help="a replica's KV-event endpoint (repeatable)")
-    parser.add_argument("--model", help="model scope for --replica flags without model=")
-    parser.add_argument("--config", help="gateway config file: index and replicas from it")
-    parser.add_argument("--rekey", choices=REKEY_SETTINGS, default="never",
-                        help="rekey mode for config replicas without their own rekey setting "
-                        "(default never; see the module docstring)")
-    parser.add_argument("--stats-interval", type=float, default=30.0, metavar="SECONDS",
-                        help="how often to log each stream's counters (default 30)")
-    parser.add_argument("--replay-timeout", type=float, default=DEFAULT_REPLAY_TIMEOUT_S,
-                        metavar="SECONDS", help="deadline for one replay request")
-    parser.add_argument("--log-level", default="INFO")
 
 
 def _url_host(address: str) -> str:
@@ -292,13 +228,14 @@ def _log_stats(indexer: EventIndexer) -> None:
         log.info("%s", _format_stats(replica, stats))
 
 
-async def _serve(feeds: list[ReplicaFeed], dns: list[DnsReplicas], index: PrefixIndex,
-                 args: argparse.Namespace) -> int:
+async def run_indexer(feeds: list[ReplicaFeed], dns: list[DnsReplicas], index: PrefixIndex,
+                      *, replay_timeout_s: float, stats_interval_s: float) -> int:
+    """Follow every feed into `index` until SIGTERM/SIGINT, logging counters as it goes."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    indexer = EventIndexer(index, replay_timeout_s=args.replay_timeout)
+    indexer = EventIndexer(index, replay_timeout_s=replay_timeout_s)
     follower = DnsFollower(indexer, feeds, dns)
     dns_task: asyncio.Task[None] | None = None
     try:
@@ -310,7 +247,7 @@ async def _serve(feeds: list[ReplicaFeed], dns: list[DnsReplicas], index: Prefix
         dns_task = asyncio.create_task(follower.run(), name="dns")
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), args.stats_interval)
+                await asyncio.wait_for(stop.wait(), stats_interval_s)
             except TimeoutError:
                 _log_stats(indexer)
         log.info("stopping")
@@ -327,44 +264,3 @@ async def _serve(feeds: list[ReplicaFeed], dns: list[DnsReplicas], index: Prefix
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the indexer until SIGTERM/SIGINT."""
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    feeds: list[ReplicaFeed] = []
-    dns: list[DnsReplicas] = []
-    index_url: str | None = None
-    password: str | None = None
-    if args.config:
-        try:
-            loaded = feeds_from_config(args.config, args.rekey)
-        except ValueError as exc:  # router.config.ConfigError names the bad key
-            print(f"{args.config}: {exc}", file=sys.stderr)
-            return 2
-        feeds, dns = loaded.static, loaded.dns
-        index_url, password = loaded.index_url, loaded.password
-    for spec in args.replica:
-        model = spec.model or args.model
-        if model is None:
-            print(f"--replica {spec.name}: give model= or --model", file=sys.stderr)
-            return 2
-        feeds.append(ReplicaFeed(spec.name, spec.endpoint, model, replay_endpoint=spec.replay,
-                                 topic=spec.topic))
-    index_url = args.index or index_url
-    if index_url is None:
-        print("no index: give --index redis://... or --config", file=sys.stderr)
-        return 2
-    if not feeds and not dns:
-        print("no replicas with KV events: give --replica or --config", file=sys.stderr)
-        return 2
-    index: PrefixIndex
-    if index_url == "memory":
-        # Nobody else can read this process's memory: useful only to watch the streams.
-        log.warning("--index memory: the entries stay in this process (a dry run)")
-        index = MemoryIndex()
-    elif index_url.startswith(("redis://", "rediss://", "unix://")):
-        index = RedisIndex.from_url(index_url, password=password)
-    else:
-        print(f"--index must be a redis:// URL or 'memory', got {index_url!r}", file=sys.stderr)
-        return 2
-    return asyncio.run(_serve(feeds, dns, index, args))

@@ -1,4 +1,4 @@
-"""`python -m router hash | tokenize | diagnose` as a user runs them."""
+"""`python -m router hash | tokenize | diagnose` and the hashing benchmark as a user runs them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from router.diagnose import explain_divergence
+from router.cli.diagnose import explain_divergence
 from router.hashing import HashConfig, LoraRef, chain_hashes, event_key
 from router.tokenize import PromptTokenizer
 
@@ -170,8 +170,10 @@ def test_diagnose_without_model_needs_ids(tmp_path: Path) -> None:
 
 
 def test_bench_hash_runs_small(tiny_model_dir: Path) -> None:
-    proc = _router("bench-hash", "--model", str(tiny_model_dir), "--sizes", "1000",
-                   "--repeats", "1", "--algo", "sha256")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_hash.py"), "--model",
+         str(tiny_model_dir), "--sizes", "1000", "--repeats", "1", "--algo", "sha256"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "exact=True" in proc.stdout
     assert "hash sha256" in proc.stdout and "Mtok/s" in proc.stdout

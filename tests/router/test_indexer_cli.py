@@ -13,6 +13,7 @@ import zmq.asyncio
 from servers import REPO, RedisServer
 from test_events import KvPublisher, applied_up_to, eventually, removed, stored
 
+from router.cli.indexer import parse_replica
 from router.events import EventIndexer, ReplicaFeed
 from router.hashing import BlockChain, HashConfig
 from router.index import MemoryIndex, RedisIndex
@@ -22,7 +23,6 @@ from router.indexer import (
     dns_replica_id,
     endpoint_for,
     feeds_from_config,
-    parse_replica,
 )
 from router.replicas import ReplicaSource
 

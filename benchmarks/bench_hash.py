@@ -1,4 +1,6 @@
-"""`python -m router bench-hash`: hashing and tokenization throughput at prompt sizes.
+"""Hashing and tokenization throughput at prompt sizes.
+
+    .venv/bin/python benchmarks/bench_hash.py [--model DIR] [--sizes 1000,8000] [--repeats 3]
 
 The gateway tokenizes and hashes every request before it can route it, so these costs
 sit on the request path. This prints, for prompts of about 1k, 8k, 32k and 128k tokens:
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -21,7 +24,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from router.hashing import HASH_ALGOS, BlockChain, HashConfig, chain_hashes
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from replica.tiny_model import build_tiny_model  # noqa: E402
+from router.hashing import HASH_ALGOS, BlockChain, HashConfig, chain_hashes  # noqa: E402
+from router.tokenize import PromptTokenizer  # noqa: E402
 
 SIZES = (1_000, 8_000, 32_000, 128_000)
 TURN_WORDS = 140  # about 200 tokens with the tiny model's tokenizer
@@ -68,8 +76,6 @@ def _rate(tokens: int, seconds: float) -> str:
 
 def _bench_size(model_dir: Path, size: int, block_size: int, algos: tuple[str, ...],
                 repeats: int, rng: random.Random) -> list[str]:
-    from router.tokenize import PromptTokenizer
-
     messages = conversation(PromptTokenizer.from_dir(model_dir), size)
     body = {"messages": messages}
     next_body = {"messages": [*messages, {"role": "assistant", "content": _turn(rng)},
@@ -145,9 +151,17 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="cacheroute-bench-") as tmp:
         model_dir = args.model
         if model_dir is None:
-            from replica.tiny_model import build_tiny_model
-
             model_dir = build_tiny_model(Path(tmp) / "tiny")
         for line in bench(model_dir, args.block_size, algos, args.repeats, sizes):
             print(line, flush=True)
     return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""A sub-command table shared by the three packages' `python -m` entry points.
+"""The sub-command table behind the three packages' `python -m` entry points.
 
 Each command lives in its own module exposing `add_arguments(parser)` and
 `run(args) -> int`; the table maps a command name to that module, imported only when
@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 
 
-def main(prog: str, description: str, commands: dict[str, tuple[str, str]],
-         argv: Sequence[str] | None = None) -> int:
+def dispatch(prog: str, description: str, commands: dict[str, tuple[str, str]],
+             argv: Sequence[str] | None = None) -> int:
     """Parse argv against the command table and run the chosen command."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog=prog, description=description)

@@ -29,14 +29,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from router.tokenize import PromptTokenizer, RequestError, endpoint_of
+    from router.request import ClientError
+    from router.tokenize import PromptTokenizer, endpoint_of
 
     try:
         body = load_request(args.request)
         endpoint = endpoint_of(body)
         tokenizer = PromptTokenizer.from_dir(args.model)
         ids = tokenizer.request_tokens(body, endpoint)
-    except RequestError as exc:
+    except ClientError as exc:
         where = f" ({exc.param})" if exc.param else ""
         print(f"error: bad request in {str(args.request)!r}{where}: {exc.message}", file=sys.stderr)
         return 2

@@ -124,12 +124,13 @@ def load_prompt_ids(path: Path, tokenizer: Any | None, *, add_special_tokens: bo
         return list(body)
     if tokenizer is None:
         raise DiagnoseError(f"{str(path)!r} needs tokenizing: pass --model DIR")
-    from router.tokenize import RequestError, endpoint_of
+    from router.request import ClientError
+    from router.tokenize import endpoint_of
 
     if isinstance(body, dict):
         try:
             return list(tokenizer.request_tokens(body, endpoint_of(body)))
-        except RequestError as exc:
+        except ClientError as exc:
             raise DiagnoseError(f"{str(path)!r}: {exc.message}") from exc
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 

@@ -1,0 +1,124 @@
+"""`python -m router indexer`: feed the shared prefix index from the replicas' KV events.
+
+One process subscribes to every replica's KV-event stream and keeps the Redis index the
+gateways read in step with what the replicas hold. Replicas come from flags
+
+    --replica NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,model=NAME][,topic=T]
+
+or from the gateway's config (`--config gateway.yaml`: every replica with kv_events
+set; its name, first model and kv_replay). NAME must be the replica id the gateway uses
+(the config's replica name), or lookups will never match it.
+
+DNS replicas and the rekey modes (--rekey is the default for config replicas without a
+`rekey` setting) are described in router/indexer.py.
+
+Runs until SIGTERM or SIGINT, logging each stream's counters every --stats-interval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from dataclasses import dataclass
+
+from router.events import DEFAULT_REPLAY_TIMEOUT_S, ReplicaFeed
+from router.index import MemoryIndex, PrefixIndex, RedisIndex
+from router.indexer import REKEY_SETTINGS, DnsReplicas, feeds_from_config, run_indexer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """One --replica flag, before the default model is filled in."""
+
+    name: str
+    endpoint: str
+    replay: str | None = None
+    model: str | None = None
+    topic: str = ""
+
+
+def parse_replica(text: str) -> ReplicaSpec:
+    """Parse NAME=tcp://HOST:PORT[,replay=URL][,model=NAME][,topic=T]."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name or not rest:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected NAME=tcp://HOST:PORT[,replay=...][,model=...]")
+    endpoint, *options = rest.split(",")
+    if "://" not in endpoint:
+        raise argparse.ArgumentTypeError(f"{text!r}: {endpoint!r} is not a ZMQ endpoint")
+    fields: dict[str, str] = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or key not in ("replay", "model", "topic"):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: unknown option {option!r}; use replay=, model= or topic=")
+        fields[key] = value
+    return ReplicaSpec(name, endpoint, fields.get("replay"), fields.get("model"),
+                       fields.get("topic", ""))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The indexer's flags."""
+    parser.add_argument("--index", help="redis://HOST:PORT/DB (or 'memory', for a dry run); "
+                        "defaults to the config's index")
+    parser.add_argument("--replica", action="append", default=[], type=parse_replica,
+                        metavar="NAME=tcp://HOST:PORT[,replay=URL][,model=NAME]",
+                        help="a replica's KV-event endpoint (repeatable)")
+    parser.add_argument("--model", help="model scope for --replica flags without model=")
+    parser.add_argument("--config", help="gateway config file: index and replicas from it")
+    parser.add_argument("--rekey", choices=REKEY_SETTINGS, default="never",
+                        help="rekey mode for config replicas without their own rekey setting "
+                        "(default never; see the module docstring)")
+    parser.add_argument("--stats-interval", type=float, default=30.0, metavar="SECONDS",
+                        help="how often to log each stream's counters (default 30)")
+    parser.add_argument("--replay-timeout", type=float, default=DEFAULT_REPLAY_TIMEOUT_S,
+                        metavar="SECONDS", help="deadline for one replay request")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the indexer until SIGTERM/SIGINT."""
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    feeds: list[ReplicaFeed] = []
+    dns: list[DnsReplicas] = []
+    index_url: str | None = None
+    password: str | None = None
+    if args.config:
+        try:
+            loaded = feeds_from_config(args.config, args.rekey)
+        except ValueError as exc:  # router.config.ConfigError names the bad key
+            print(f"{args.config}: {exc}", file=sys.stderr)
+            return 2
+        feeds, dns = loaded.static, loaded.dns
+        index_url, password = loaded.index_url, loaded.password
+    for spec in args.replica:
+        model = spec.model or args.model
+        if model is None:
+            print(f"--replica {spec.name}: give model= or --model", file=sys.stderr)
+            return 2
+        feeds.append(ReplicaFeed(spec.name, spec.endpoint, model, replay_endpoint=spec.replay,
+                                 topic=spec.topic))
+    index_url = args.index or index_url
+    if index_url is None:
+        print("no index: give --index redis://... or --config", file=sys.stderr)
+        return 2
+    if not feeds and not dns:
+        print("no replicas with KV events: give --replica or --config", file=sys.stderr)
+        return 2
+    index: PrefixIndex
+    if index_url == "memory":
+        # Nobody else can read this process's memory: useful only to watch the streams.
+        log.warning("--index memory: the entries stay in this process (a dry run)")
+        index = MemoryIndex()
+    elif index_url.startswith(("redis://", "rediss://", "unix://")):
+        index = RedisIndex.from_url(index_url, password=password)
+    else:
+        print(f"--index must be a redis:// URL or 'memory', got {index_url!r}", file=sys.stderr)
+        return 2
+    return asyncio.run(run_indexer(feeds, dns, index, replay_timeout_s=args.replay_timeout,
+                                   stats_interval_s=args.stats_interval))
