@@ -15,10 +15,9 @@ For each chain length it times one lookup of a chain that replica r0 holds in fu
                    runs are then verified, one ZMSCORE per 1,024 blocks
   (d) mem walk     MemoryIndex(lookup_strategy="walk").lookup
   (e) mem bisect   MemoryIndex.lookup (the default)
-  (f) near         NearCache over RedisIndex, a repeated lookup (a cache hit)
 
 and the latency of RedisIndex.record for the same chain (in another model scope: a
-replica holding entries that expire is walked, see router/index.py). Then Redis memory per block
+replica holding entries that expire is walked, see router/index/). Then Redis memory per block
 entry: INFO memory before and after indexing N blocks for one replica, and for more
 replicas holding the same blocks. Last, how many KV-event batches per second one
 ReplicaEventStream applies to each backend (real ZMQ on loopback): memory, Redis with a
@@ -46,7 +45,7 @@ import zmq.asyncio
 
 from replica.processes import RedisServer
 from router.events import ReplicaEventStream
-from router.index import IndexOp, MemoryIndex, NearCache, PrefixIndex, RedisIndex
+from router.index import IndexOp, MemoryIndex, PrefixIndex, RedisIndex
 from router.kv_events import BlockRemoved, BlockStored, EventBatch, encode_batch, seq_bytes
 
 MODEL = "bench"
@@ -110,7 +109,6 @@ async def bench_lookups(url: str, repeat: int) -> None:
                                       socket_timeout_s=30)
     redis_walk = RedisIndex.from_url(url, lookup_timeout_s=10, op_timeout_s=30,
                                      socket_timeout_s=30, lookup_strategy="walk")
-    near = NearCache(redis_index, ttl_s=60)
     memory = MemoryIndex()
     memory_walk = MemoryIndex(lookup_strategy="walk")
     try:
@@ -118,7 +116,7 @@ async def bench_lookups(url: str, repeat: int) -> None:
         header = f"{'blocks':>7} | {'(a) pipeline':>15} | {'(b) lua walk':>15} | " \
                  f"{'(c) lua bisect':>15} | {'(c2) verified':>15} | " \
                  f"{'(d) mem walk':>15} | {'(e) mem bisect':>15} | " \
-                 f"{'(f) near hit':>15} | {'record (lua)':>15}"
+                 f"{'record (lua)':>15}"
         print(header)
         print("-" * len(header))
         for n in CHAIN_LENGTHS:
@@ -140,7 +138,6 @@ async def bench_lookups(url: str, repeat: int) -> None:
             assert await redis_index.lookup(MODEL, chain) == expect
             assert await memory_walk.lookup(MODEL, chain) == expect
             assert await memory.lookup(MODEL, chain) == expect
-            assert await near.lookup(MODEL, chain) == expect
             results = await timed([
                 partial(pipeline_lookup, redis_index, MODEL, chain),
                 partial(redis_walk.lookup, MODEL, chain),
@@ -148,7 +145,6 @@ async def bench_lookups(url: str, repeat: int) -> None:
                 partial(redis_index.lookup, holed, chain),
                 partial(memory_walk.lookup, MODEL, chain),
                 partial(memory.lookup, MODEL, chain),
-                partial(near.lookup, MODEL, chain),
                 partial(redis_index.record, f"{MODEL}-record", "rw", chain, 600),
             ], repeat)
             cells = [f"{m:7.3f} / {p:6.3f}" for m, p in results]

@@ -38,11 +38,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from router.hashing import HASH_ALGOS, HashConfig, UnknownSeedError, chain_hashes, event_key
+from router.index import IndexUnavailable, ObservedBlocks, PrefixIndex
 
 if TYPE_CHECKING:
     import aiohttp
-
-    from router.index import PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -55,21 +54,6 @@ class Probe:
 
     token_ids: tuple[int, ...]
     cache_salt: str
-
-
-@dataclass(frozen=True)
-class ObservedBlocks:
-    """What a replica's BlockStored event said about the probe's blocks.
-
-    `rekeyed`: the indexer re-keys this replica's blocks with the gateway's settings
-    (router.events rekey mode), so its index entries are right even if its keys differ.
-    """
-
-    block_size: int
-    keys: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    replica: str = ""
-    rekeyed: bool = False
 
 
 @dataclass(frozen=True)
@@ -174,8 +158,6 @@ async def run_handshake(
     bounds the probe's token ids.
     """
     import aiohttp  # here, not at the top: the rest of this module stays pure
-
-    from router.index import IndexUnavailable
 
     deadline = time.monotonic() + timeout_s
     url = replica_url.rstrip("/") + "/v1/completions"

@@ -18,9 +18,9 @@ from servers import REPO, free_port
 
 from replica.fleet import RunningReplica, SimFleet
 from router.events import EventIndexer, ReplicaFeed
-from router.handshake import ObservedBlocks, compare, is_probe_salt, make_probe, run_handshake
+from router.handshake import compare, is_probe_salt, make_probe, run_handshake
 from router.hashing import HashConfig, chain_hashes, event_key
-from router.index import MemoryIndex, PrefixIndex, RedisIndex
+from router.index import MemoryIndex, ObservedBlocks, PrefixIndex, RedisIndex
 
 
 def observe(config: HashConfig, tokens: tuple[int, ...], salt: str) -> ObservedBlocks:

@@ -6,20 +6,18 @@ import asyncio
 import random
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
-from servers import RedisServer
+from servers import RedisServer, free_port
 
-from router.handshake import ObservedBlocks
 from router.index import (
     IndexOp,
     IndexUnavailable,
     MemoryIndex,
-    NearCache,
+    ObservedBlocks,
     PrefixIndex,
     RedisIndex,
-    open_index,
 )
 
 MODEL = "tiny"
@@ -33,21 +31,6 @@ async def eventually(check: Callable[[], Awaitable[bool]], deadline_s: float = 1
             return
         await asyncio.sleep(0.02)  # polling interval, not synchronisation
     raise AssertionError(f"condition not met within {deadline_s}s")
-
-
-@pytest.fixture(params=["memory", "redis", "near-cache"])
-async def index(request: pytest.FixtureRequest) -> AsyncIterator[PrefixIndex]:
-    if request.param == "memory":
-        idx: PrefixIndex = MemoryIndex()
-    else:
-        server: RedisServer = request.getfixturevalue("redis_server")
-        idx = RedisIndex.from_url(server.url)
-        if request.param == "near-cache":
-            idx = NearCache(idx, ttl_s=0.05)
-    try:
-        yield idx
-    finally:
-        await idx.close()
 
 
 async def test_lookup_returns_each_replicas_leading_run(index: PrefixIndex) -> None:
@@ -306,42 +289,6 @@ async def test_hung_redis_lookup_hits_the_callers_deadline(redis_server: RedisSe
         await index.close()
 
 
-async def test_near_cache_answers_repeats_and_sees_its_own_writes_at_once(
-    redis_server: RedisServer,
-) -> None:
-    shared = RedisIndex.from_url(redis_server.url)
-    near = NearCache(RedisIndex.from_url(redis_server.url), ttl_s=0.3)
-    try:
-        await near.add(MODEL, "r1", [1, 2])
-        assert await near.lookup(MODEL, [1, 2]) == {"r1": 2}
-        assert await near.lookup(MODEL, [1, 2]) == {"r1": 2}
-        assert (near.hits, near.misses) == (1, 1)
-        await near.remove(MODEL, "r1", [2])  # a write through the cache: seen at once
-        assert await near.lookup(MODEL, [1, 2]) == {"r1": 1}
-        await near.record(MODEL, "r2", [1, 2], ttl_s=60)
-        assert await near.lookup(MODEL, [1, 2]) == {"r1": 1, "r2": 2}
-        await near.clear_replica("r2")
-        assert await near.lookup(MODEL, [1, 2]) == {"r1": 1}
-        # Another process's write is served stale until the entry's ttl runs out.
-        await shared.add(MODEL, "r3", [1, 2])
-        assert await near.lookup(MODEL, [1, 2]) == {"r1": 1}
-
-        async def sees_other_writer() -> bool:
-            return await near.lookup(MODEL, [1, 2]) == {"r1": 1, "r3": 2}
-
-        await eventually(sees_other_writer, deadline_s=5)
-    finally:
-        await near.close()
-        await shared.close()
-
-
-def test_open_index_names_its_backend() -> None:
-    assert isinstance(open_index("memory"), MemoryIndex)
-    assert isinstance(open_index("redis://127.0.0.1:1/0"), RedisIndex)
-    with pytest.raises(ValueError, match="memory"):
-        open_index("mysql://x")
-
-
 async def test_apply_writes_a_batch_as_the_separate_calls_would(index: PrefixIndex) -> None:
     await index.add(MODEL, "r2", [1, 2])
     await index.apply("r1", [
@@ -393,3 +340,44 @@ async def test_probe_observations_are_kept_by_salt_until_their_ttl(index: Prefix
 
     await eventually(expired)
     assert await index.get_probe("cacheroute-probe-b") is not None
+
+
+async def test_warm_opens_the_connections_concurrent_lookups_use_and_loads_the_scripts(
+    redis_server: RedisServer,
+) -> None:
+    """issue #16: cold connections made the first concurrent lookups miss their deadline."""
+    index = RedisIndex.from_url(redis_server.url)
+    observer = RedisIndex.from_url(redis_server.url).client
+    try:
+        await observer.script_flush()  # as a fresh or restarted Redis has it
+        await index.warm(4)
+        assert await observer.script_exists(*index.script_shas) == [True] * 5
+        clients = await observer.client_list()
+        assert len(clients) >= 4 + 1  # the index's pool and this observer
+        received = (await observer.info("stats"))["total_connections_received"]
+        loads = (await observer.info("commandstats"))["cmdstat_script|load"]["calls"]
+        await index.add(MODEL, "r1", [1, 2, 3])
+        answers = await asyncio.gather(*(index.lookup(MODEL, [1, 2, 3]) for _ in range(4)))
+        assert answers == [{"r1": 3}] * 4
+        # Neither a connect nor a script load happened on the request path.
+        assert (await observer.info("stats"))["total_connections_received"] == received
+        assert (await observer.info("commandstats"))["cmdstat_script|load"]["calls"] == loads
+    finally:
+        await index.close()
+        await observer.aclose()
+
+
+async def test_warm_says_when_redis_is_not_there() -> None:
+    index = RedisIndex.from_url(f"redis://127.0.0.1:{free_port()}/0", connect_timeout_s=0.1,
+                                op_timeout_s=1.0)
+    try:
+        with pytest.raises(IndexUnavailable, match="warm"):
+            await index.warm(2)
+    finally:
+        await index.close()
+
+
+async def test_warm_leaves_the_answers_unchanged(index: PrefixIndex) -> None:
+    await index.add(MODEL, "r1", [1, 2])
+    await index.warm(2)
+    assert await index.lookup(MODEL, [1, 2]) == {"r1": 2}

@@ -1,0 +1,422 @@
+"""The shared PrefixIndex on Redis: every key it writes and every script it runs.
+
+Several gateways and indexers share one index through it; the contract is the
+package's (router/index/__init__.py), kept step for step by MemoryIndex too.
+
+Key layout (NS is the namespace, "cr" by default; {M} is the model scope inside a
+hash tag; K is the block's 64-bit key as 8 raw big-endian bytes; R the replica id):
+
+    NS:{M}:b:K    HASH  R -> expiry in Unix ms (0 = never). Who holds block K.
+                  Key TTL = the latest expiry among its fields (none if any field is 0).
+    NS:{M}:r:R    ZSET  K -> touch order. The reverse index of replica R, least recently
+                  touched first: clear_replica walks it instead of scanning the
+                  keyspace, and trimming pops its head.
+    NS:{M}:c:R    STRING  touch counter for the ZSET's scores (exact integers, so
+                  positions within one write stay ordered, which ms timestamps would not).
+    NS:{M}:t:R    STRING  TTL flag: R may hold entries here that expire (package docstring,
+                  Lookup).
+    NS:{M}:h:R    STRING  hole flag: R's entries here may not be prefix-closed (same).
+                  Both flags live exactly as long as NS:{M}:r:R (same expiry, gone with it).
+    NS:rm:R       SET   model scopes replica R has entries under (for clear_replica);
+                  its TTL follows the replica's longest-lived entry.
+    NS:p:S        STRING  a hash-handshake probe's observation, by its cache salt S
+                  (msgpack [replica, block_size, keys, token_ids, rekeyed], probes.py);
+                  short TTL (`put_probe`'s ttl_s): the gateway that sent the probe reads it.
+
+Scripts (the .lua files in this package, each headed by its KEYS and ARGV): lookups
+are lookup_bisect.lua or lookup_walk.lua; writes are write.lua (add, record), remove.lua
+and clear.lua (a chunk of clear_replica), each prefixed with prelude.lua's helpers. They
+are read once, registered with redis-py (register_script: run by EVALSHA, loaded on
+NOSCRIPT, as after a Redis restart) and loaded into Redis by `warm`.
+
+`apply(replica, ops)` sends one KV-event batch in one pipelined round trip: each add is
+its write script, each remove its remove script, and the writes' SADDs ride along. A
+batch holding a clear (the replica reset its cache) runs its operations one by one,
+since clear_replica takes several round trips.
+
+Redis Cluster: the hash tag {M} puts every key of one model scope in one slot, so the
+lookup and write scripts touch one slot, as cluster scripts must. The trade-off: one
+model's whole index lives on one shard, so a cluster spreads load by model (and LoRA),
+not within a model. Tagging by chain root instead would spread a model, but BlockRemoved
+events name only the block, not its chain's root. NS:rm:R lives in another slot and is
+written by a separate command in the same pipeline, never from a script. The write
+scripts reach blocks named by the reverse index (trimming) without declaring them; they
+are in the script's slot, which Redis 7 allows. (Only the layout is cluster-ready:
+`RedisIndex` is built and tested on a single-node redis.asyncio.Redis client.)
+
+Every Redis call has a deadline (socket timeouts, and asyncio.wait_for around each
+operation); a failure raises `IndexUnavailable` so the gateway can route by load alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+from collections.abc import Awaitable, Callable, Sequence
+from importlib import resources
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError, RedisError
+
+from router.index.probes import ObservedBlocks, decode_observation, encode_observation
+from router.index.protocol import (
+    DEFAULT_WARM_CONNECTIONS,
+    EXPIRED_SWEEP,
+    IndexOp,
+    IndexUnavailable,
+    LookupStrategy,
+)
+
+T = TypeVar("T")
+
+# A lookup is on every request's critical path: a slow index is worse than none.
+DEFAULT_LOOKUP_TIMEOUT_S = 0.25
+DEFAULT_OP_TIMEOUT_S = 2.0
+# clear_replica removes this many entries per script run, so clearing a large replica
+# does not hold Redis (single-threaded) for long.
+_CLEAR_CHUNK = 2000
+
+
+def _lua(name: str, *, prelude: bool = False) -> str:
+    """A script's source from this package's .lua files (write scripts get the prelude)."""
+    files = resources.files(__package__)
+    body = files.joinpath(name).read_text(encoding="utf-8")
+    return files.joinpath("prelude.lua").read_text(encoding="utf-8") + body if prelude else body
+
+
+# Read once, when the module is imported: every RedisIndex registers the same texts.
+_LOOKUP_WALK = _lua("lookup_walk.lua")
+_LOOKUP_BISECT = _lua("lookup_bisect.lua")
+_WRITE = _lua("write.lua", prelude=True)
+_REMOVE = _lua("remove.lua", prelude=True)
+_CLEAR = _lua("clear.lua", prelude=True)
+
+
+def _key_bytes(key: int) -> bytes:
+    return key.to_bytes(8, "big")
+
+
+class RedisIndex:
+    """The shared PrefixIndex: Redis, one round trip per lookup (see the module docstring)."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        namespace: str = "cr",
+        capacity_blocks: int | None = None,
+        event_ttl_s: float | None = None,
+        lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
+        op_timeout_s: float = DEFAULT_OP_TIMEOUT_S,
+        lookup_strategy: LookupStrategy = "bisect",
+    ) -> None:
+        self._redis = client
+        self._strategy = lookup_strategy
+        self._ns = namespace
+        self._capacity = capacity_blocks
+        self._event_ttl_s = event_ttl_s
+        self._lookup_timeout_s = lookup_timeout_s
+        self._op_timeout_s = op_timeout_s
+        # register_script: loaded once, run by EVALSHA; redis-py reloads a script on
+        # NOSCRIPT (a restarted Redis has an empty script cache).
+        self._walk_script = client.register_script(_LOOKUP_WALK)
+        self._bisect_script = client.register_script(_LOOKUP_BISECT)
+        self._write_script = client.register_script(_WRITE)
+        self._remove_script = client.register_script(_REMOVE)
+        self._clear_script = client.register_script(_CLEAR)
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        socket_timeout_s: float = 1.0,
+        connect_timeout_s: float = 0.5,
+        password: str | None = None,
+        **kwargs: Any,
+    ) -> RedisIndex:
+        """A RedisIndex on its own connection pool, with socket deadlines set."""
+        # Only pass a password when given, so one inside the URL still counts.
+        auth: dict[str, Any] = {} if password is None else {"password": password}
+        client = aioredis.Redis.from_url(
+            url,
+            **auth,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=connect_timeout_s,
+            # One immediate retry: a pooled connection broken by a Redis restart fails
+            # once and the retry reconnects. More retries would only outlast deadlines.
+            retry=Retry(NoBackoff(), 1),
+            decode_responses=False,
+        )
+        return cls(client, **kwargs)
+
+    @property
+    def client(self) -> aioredis.Redis:
+        """The underlying redis client (for benchmarks and tests)."""
+        return self._redis
+
+    def block_prefix(self, model: str) -> bytes:
+        """The prefix of model scope `model`'s block keys (NS:{M}:b:)."""
+        return f"{self._ns}:{{{model}}}:b:".encode()
+
+    def block_key(self, model: str, key: int) -> bytes:
+        """The Redis key of one block's holder hash."""
+        return self.block_prefix(model) + _key_bytes(key)
+
+    def _replica_keys(self, model: str, replica: str) -> tuple[bytes, bytes]:
+        tag = f"{self._ns}:{{{model}}}"
+        return f"{tag}:r:{replica}".encode(), f"{tag}:c:{replica}".encode()
+
+    def _flag_keys(self, model: str, replica: str) -> tuple[bytes, bytes]:
+        # The TTL flag and the hole flag (module docstring).
+        tag = f"{self._ns}:{{{model}}}"
+        return f"{tag}:t:{replica}".encode(), f"{tag}:h:{replica}".encode()
+
+    def _models_key(self, replica: str) -> bytes:
+        return f"{self._ns}:rm:{replica}".encode()
+
+    async def _call(self, coro: Awaitable[T], limit_s: float, what: str) -> T:
+        try:
+            return await asyncio.wait_for(coro, limit_s)
+        except TimeoutError as exc:
+            raise IndexUnavailable(f"redis {what} exceeded its {limit_s:.3f}s deadline") from exc
+        except (RedisError, OSError) as exc:
+            raise IndexUnavailable(f"redis {what} failed: {exc}") from exc
+
+    async def lookup(
+        self, model: str, keys: Sequence[int], *, deadline_s: float | None = None
+    ) -> dict[str, int]:
+        """Replica -> number of leading blocks of `keys` it holds (replicas with 0 omitted)."""
+        if not keys:
+            return {}
+        prefix = self.block_prefix(model)
+        deadline = self._lookup_timeout_s if deadline_s is None else deadline_s
+        if self._strategy == "walk":
+            block_keys = [prefix + _key_bytes(k) for k in keys]
+            flat = await self._call(self._walk_script(keys=block_keys), deadline, "lookup")
+        else:
+            tag = f"{self._ns}:{{{model}}}"
+            chain = struct.pack(f">{len(keys)}Q", *keys)
+            script = self._bisect_script(
+                keys=[prefix + _key_bytes(keys[0])],
+                args=[chain, prefix, f"{tag}:r:".encode(), f"{tag}:t:".encode(),
+                      f"{tag}:h:".encode()])
+            flat = await self._call(script, deadline, "lookup")
+        return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    async def add(self, model: str, replica: str, keys: Sequence[int]) -> None:
+        """The replica now holds these blocks (from its KV events)."""
+        await self._write(model, replica, keys, self._event_ttl_s, self._capacity)
+
+    async def record(
+        self,
+        model: str,
+        replica: str,
+        keys: Sequence[int],
+        ttl_s: float,
+        *,
+        capacity_blocks: int | None = None,
+    ) -> None:
+        """The gateway sent this chain to the replica: assume it holds it for ttl_s."""
+        cap = self._capacity if capacity_blocks is None else capacity_blocks
+        await self._write(model, replica, keys, ttl_s, cap)
+
+    async def _write(
+        self,
+        model: str,
+        replica: str,
+        keys: Sequence[int],
+        ttl_s: float | None,
+        cap: int | None,
+        parent: int | None = None,
+    ) -> None:
+        if not keys:
+            return
+        await self._call(
+            self._pipelined(
+                lambda pipe: self._queue_write(pipe, model, replica, keys, ttl_s, cap, parent)),
+            self._op_timeout_s,
+            "write",
+        )
+
+    def _queue_write(
+        self,
+        pipe: Pipeline,
+        model: str,
+        replica: str,
+        keys: Sequence[int],
+        ttl_s: float | None,
+        cap: int | None,
+        parent: int | None = None,
+    ) -> None:
+        rk, ck = self._replica_keys(model, replica)
+        prefix = self.block_prefix(model)
+        # The script reads ttl 0 as "never", so a finite TTL is at least 1 ms.
+        ttl_ms = 0 if ttl_s is None else max(1, math.ceil(ttl_s * 1000))
+        block_keys = [prefix + _key_bytes(k) for k in keys]
+        models_key = self._models_key(replica)
+        pipe.sadd(models_key, model)
+        # The set outlives its longest-lived entry, as the other keys do.
+        if ttl_ms:
+            pipe.pexpire(models_key, ttl_ms, nx=True)
+            pipe.pexpire(models_key, ttl_ms, gt=True)
+        else:
+            pipe.persist(models_key)
+        pipe.evalsha(self._write_script.sha, len(block_keys) + 2, rk, ck, *block_keys,
+                     replica, ttl_ms, cap or 0, prefix, *self._flag_keys(model, replica),
+                     b"" if parent is None else prefix + _key_bytes(parent), EXPIRED_SWEEP)
+
+    def _queue_remove(self, pipe: Pipeline, model: str, replica: str, keys: Sequence[int]) -> None:
+        rk, ck = self._replica_keys(model, replica)
+        prefix = self.block_prefix(model)
+        block_keys = [prefix + _key_bytes(k) for k in keys]
+        pipe.evalsha(self._remove_script.sha, len(block_keys) + 2, rk, ck, *block_keys,
+                     replica, len(prefix), *self._flag_keys(model, replica))
+
+    async def _pipelined(self, build: Callable[[Pipeline], None]) -> None:
+        # redis-py's pipelines would check SCRIPT EXISTS before every execute, so run
+        # EVALSHA by hand and load the scripts on NOSCRIPT (a restarted Redis). Retrying
+        # the whole pipeline is safe: adds and removes are idempotent.
+        for attempt in range(2):
+            pipe = self._redis.pipeline(transaction=False)
+            build(pipe)
+            try:
+                await pipe.execute()
+                return
+            except NoScriptError:
+                if attempt:
+                    raise
+                await self._redis.script_load(self._write_script.script)
+                await self._redis.script_load(self._remove_script.script)
+
+    async def apply(self, replica: str, ops: Sequence[IndexOp]) -> None:
+        """One KV-event batch's writes for the replica, in order, in one round trip."""
+        if any(op.kind == "clear" for op in ops):
+            for op in ops:
+                if op.kind == "add":
+                    await self._write(op.scope, replica, op.keys, self._event_ttl_s,
+                                      self._capacity, op.parent)
+                elif op.kind == "remove":
+                    await self.remove(op.scope, replica, op.keys)
+                else:
+                    await self.clear_replica(replica)
+            return
+        ops = [op for op in ops if op.keys]
+        if not ops:
+            return
+
+        def build(pipe: Pipeline) -> None:
+            for op in ops:
+                if op.kind == "add":
+                    self._queue_write(pipe, op.scope, replica, op.keys, self._event_ttl_s,
+                                      self._capacity, op.parent)
+                else:
+                    self._queue_remove(pipe, op.scope, replica, op.keys)
+
+        await self._call(self._pipelined(build), self._op_timeout_s, "apply")
+
+    def _probe_key(self, salt: str) -> bytes:
+        return f"{self._ns}:p:{salt}".encode()
+
+    async def put_probe(
+        self,
+        salt: str,
+        replica: str,
+        block_size: int,
+        keys: Sequence[int],
+        token_ids: Sequence[int],
+        ttl_s: float,
+        *,
+        rekeyed: bool = False,
+    ) -> None:
+        """Keep what the replica's events said about a handshake probe, for ttl_s."""
+        value = encode_observation(ObservedBlocks(block_size, tuple(keys), tuple(token_ids),
+                                                  replica=replica, rekeyed=rekeyed))
+        await self._call(
+            self._redis.set(self._probe_key(salt), value, px=max(1, math.ceil(ttl_s * 1000))),
+            self._op_timeout_s,
+            "put_probe",
+        )
+
+    async def get_probe(self, salt: str) -> ObservedBlocks | None:
+        """The observation stored for a probe's salt, or None (not seen yet, or expired)."""
+        raw = await self._call(self._redis.get(self._probe_key(salt)), self._op_timeout_s,
+                               "get_probe")
+        if raw is None:
+            return None
+        return decode_observation(raw if isinstance(raw, bytes) else raw.encode())
+
+    async def remove(self, model: str, replica: str, keys: Sequence[int]) -> None:
+        """The replica evicted these blocks."""
+        if not keys:
+            return
+        rk, ck = self._replica_keys(model, replica)
+        prefix = self.block_prefix(model)
+        await self._call(
+            self._remove_script(
+                keys=[rk, ck, *(prefix + _key_bytes(k) for k in keys)],
+                args=[replica, len(prefix), *self._flag_keys(model, replica)],
+            ),
+            self._op_timeout_s,
+            "remove",
+        )
+
+    async def clear_replica(self, replica: str) -> None:
+        """Forget everything the replica holds, under every model scope."""
+        models_key = self._models_key(replica)
+        models = await self._call(
+            self._redis.smembers(models_key), self._op_timeout_s, "clear_replica"
+        )
+        for raw in models:
+            model = raw.decode() if isinstance(raw, bytes) else raw
+            rk, ck = self._replica_keys(model, replica)
+            prefix = self.block_prefix(model)
+            left = 1
+            while left:
+                left = await self._call(
+                    self._clear_script(keys=[rk, ck], args=[
+                        replica, prefix, _CLEAR_CHUNK, *self._flag_keys(model, replica)]),
+                    self._op_timeout_s,
+                    "clear_replica",
+                )
+            await self._call(
+                self._redis.srem(models_key, model), self._op_timeout_s, "clear_replica"
+            )
+
+    @property
+    def script_shas(self) -> tuple[str, ...]:
+        """The SHA1 of every script this index runs (what `warm` loads into Redis)."""
+        return tuple(s.sha for s in self._scripts())
+
+    def _scripts(self) -> tuple[AsyncScript, ...]:
+        return (self._walk_script, self._bisect_script, self._write_script,
+                self._remove_script, self._clear_script)
+
+    async def warm(self, connections: int = DEFAULT_WARM_CONNECTIONS) -> None:
+        """Open `connections` pooled connections and load every script, before serving.
+
+        A cold pool connects inside a request's lookup (TCP handshake, the client's
+        HELLO / SELECT), and a cold script cache costs a NOSCRIPT round trip and a
+        SCRIPT LOAD: enough for the first concurrent lookups to miss a few-ms deadline.
+        Concurrent PINGs each take a connection of their own, so the pool ends up holding
+        `connections` idle ones. Raises IndexUnavailable if Redis does not answer.
+        """
+
+        async def load_all() -> None:
+            await asyncio.gather(*(self._redis.ping() for _ in range(max(1, connections))))
+            pipe = self._redis.pipeline(transaction=False)
+            for script in self._scripts():
+                pipe.script_load(script.script)
+            await pipe.execute()
+
+        await self._call(load_all(), self._op_timeout_s, "warm")
+
+    async def close(self) -> None:
+        """Close the client and its connection pool."""
+        await self._redis.aclose()

@@ -1,0 +1,12 @@
+-- Remove blocks for one replica: `remove` and a remove IndexOp.
+-- KEYS: [1] reverse ZSET, [2] touch counter, [3..] block keys.
+-- ARGV: replica, block key prefix length, TTL flag, hole flag.
+local rk, ck, replica, plen = KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2])
+for i = 3, #KEYS do
+  drop_holder(KEYS[i], replica)
+  redis.call('ZREM', rk, string.sub(KEYS[i], plen + 1))
+end
+-- Whether a removed block had held descendants (a hole) is not known here: verify.
+raise_flag(ARGV[4], rk, true)
+if redis.call('EXISTS', rk) == 0 then redis.call('DEL', ck, ARGV[3], ARGV[4]) end
+return #KEYS - 2
