@@ -5,7 +5,8 @@ tokenizer behaves like a production one where it matters for prefix caching: byt
 BPE, a BOS token the post-processor adds to plain text (so add_special_tokens changes
 the ids), chat special tokens, and a chat template with system/user/assistant/tool
 messages, tool definitions and a generation prompt. The weights are random, so the
-model's answers are noise; only its shapes and its tokenizer matter.
+model's answers are noise; only its shapes and its tokenizer matter. Building it needs
+no torch (numpy writes the weights), so the demo's `--no-vllm` setup can build it.
 
 Shapes follow vLLM CPU's constraints: head size 64 (hidden 128 over 2 heads), and a
 context of 8192 so 128k-token benchmarks can still tokenize (not serve) long prompts.
@@ -19,8 +20,11 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
+    from transformers import LlamaConfig
 
 BOS = "<s>"
 EOS = "</s>"
@@ -41,6 +45,7 @@ NUM_HEADS = 2
 NUM_LAYERS = 2
 INTERMEDIATE_SIZE = 256
 MAX_POSITIONS = 8192
+INITIALIZER_RANGE = 0.02
 
 # ChatML-style. Every role marker is a special token, so the rendered text splits at
 # special-token boundaries between messages (router/tokenize.py's prefix cache relies
@@ -172,22 +177,11 @@ def _special_ids(tokenizer: Tokenizer) -> dict[str, int]:
     return ids
 
 
-def build_tiny_model(out: Path, *, seed: int = 0) -> Path:
-    """Write a tiny random LlamaForCausalLM and its tokenizer into `out`; return `out`."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(seed)
-    tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2))
-    (out / "special_tokens_map.json").write_text(
-        json.dumps({"bos_token": BOS, "eos_token": IM_END, "pad_token": PAD}, indent=2)
-    )
+def _llama_config(tokenizer: Tokenizer) -> LlamaConfig:
+    from transformers import LlamaConfig
 
     ids = _special_ids(tokenizer)
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=tokenizer.get_vocab_size(),
         hidden_size=HIDDEN_SIZE,
         intermediate_size=INTERMEDIATE_SIZE,
@@ -200,12 +194,101 @@ def build_tiny_model(out: Path, *, seed: int = 0) -> Path:
         eos_token_id=[ids[IM_END], ids[EOS]],
         pad_token_id=ids[PAD],
         tie_word_embeddings=False,
+        initializer_range=INITIALIZER_RANGE,
         dtype="bfloat16",
     )
-    torch.manual_seed(seed)
-    model: Any = LlamaForCausalLM(config)
-    model = model.to(dtype=torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
+
+
+def random_weights(vocab_size: int, pad_token_id: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """LlamaForCausalLM's tensors (float32) for this module's shapes, as transformers inits them.
+
+    Linear and embedding weights ~ N(0, 0.02) (LlamaConfig's initializer_range), the
+    embedding's padding row zero, RMSNorm weights one. Names and shapes are those
+    `save_pretrained` writes.
+    """
+    rng = np.random.default_rng(seed)
+    hidden, inter, vocab = HIDDEN_SIZE, INTERMEDIATE_SIZE, vocab_size
+    attn_out = NUM_HEADS * (HIDDEN_SIZE // NUM_HEADS)  # as many KV heads as query heads
+
+    def normal(*shape: int) -> np.ndarray:
+        return rng.normal(0.0, INITIALIZER_RANGE, shape).astype(np.float32)
+
+    embed = normal(vocab, hidden)
+    embed[pad_token_id] = 0.0
+    tensors = {"model.embed_tokens.weight": embed}
+    for i in range(NUM_LAYERS):
+        layer = f"model.layers.{i}"
+        tensors |= {
+            f"{layer}.self_attn.q_proj.weight": normal(attn_out, hidden),
+            f"{layer}.self_attn.k_proj.weight": normal(attn_out, hidden),
+            f"{layer}.self_attn.v_proj.weight": normal(attn_out, hidden),
+            f"{layer}.self_attn.o_proj.weight": normal(hidden, attn_out),
+            f"{layer}.mlp.gate_proj.weight": normal(inter, hidden),
+            f"{layer}.mlp.up_proj.weight": normal(inter, hidden),
+            f"{layer}.mlp.down_proj.weight": normal(hidden, inter),
+            f"{layer}.input_layernorm.weight": np.ones(hidden, np.float32),
+            f"{layer}.post_attention_layernorm.weight": np.ones(hidden, np.float32),
+        }
+    tensors["model.norm.weight"] = np.ones(hidden, np.float32)
+    tensors["lm_head.weight"] = normal(vocab, hidden)
+    return tensors
+
+
+def bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even as torch does."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
+    return ((bits + rounding) >> 16).astype(np.uint16)
+
+
+def write_safetensors_bf16(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """Write float32 tensors as one BF16 safetensors file, as `save_pretrained` does.
+
+    Written by hand because numpy has no bfloat16 dtype (safetensors.numpy cannot write
+    BF16 without ml_dtypes). The format: an 8-byte little-endian header length, a JSON
+    header (name -> dtype, shape, byte offsets; "format": "pt", which transformers
+    requires), padded with spaces to 8 bytes, then the tensors back to back.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    blobs: list[bytes] = []
+    offset = 0
+    for name in sorted(tensors):
+        blob = bfloat16_bits(tensors[name]).astype("<u2").tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(tensors[name].shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with Path(path).open("wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for blob in blobs:
+            f.write(blob)
+
+
+def build_tiny_model(out: Path, *, seed: int = 0) -> Path:
+    """Write a tiny random LlamaForCausalLM and its tokenizer into `out`; return `out`.
+
+    Needs no torch: the weights come from numpy (the demo's `--no-vllm` setup installs
+    no torch), in the layout, dtype (bfloat16) and config transformers writes.
+    """
+    from transformers import GenerationConfig
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(seed)
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2))
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": BOS, "eos_token": IM_END, "pad_token": PAD}, indent=2)
+    )
+    config = _llama_config(tokenizer)
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    weights = random_weights(tokenizer.get_vocab_size(), _special_ids(tokenizer)[PAD], seed)
+    write_safetensors_bf16(out / "model.safetensors", weights)
     return out
 
 
