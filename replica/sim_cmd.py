@@ -53,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--crash-on-token", type=int, default=None, metavar="ID",
+                        help="fault injection: the engine dies on a prompt holding this token "
+                             "id, as vLLM's EngineCore does on a poison request (in-flight "
+                             "requests get 500, then the server exits)")
     parser.add_argument("--log-level", default="WARNING")
 
 
@@ -71,6 +75,19 @@ def _model_vocab_size(model_dir: Path) -> int:
     if not path.exists():
         return 0
     return int(json.loads(path.read_text()).get("vocab_size") or 0)
+
+
+def _max_chars_per_token(model_dir: Path) -> int | None:
+    """The longest token string in the vocabulary (vLLM bounds text prompts by it)."""
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    vocab = data.get("model", {}).get("vocab") or {}
+    # BPE/WordPiece vocabularies are {token: id}; Unigram's are [[token, score], ...].
+    tokens = list(vocab) if isinstance(vocab, dict) else [str(t[0]) for t in vocab]
+    tokens += [str(t["content"]) for t in data.get("added_tokens", [])]
+    return max((len(t) for t in tokens), default=None)
 
 
 def build_settings(args: argparse.Namespace) -> tuple[SimSettings, object | None]:
@@ -107,27 +124,31 @@ def build_settings(args: argparse.Namespace) -> tuple[SimSettings, object | None
         enable_prefix_caching=not args.no_prefix_caching,
         profile=load_profile(args.prefill_profile),
         seed=int.from_bytes(hash_config.root_hash()[:8], "big"),
-        vocab_size=vocab_size, reserved_token_ids=reserved,
+        vocab_size=vocab_size, reserved_token_ids=reserved, crash_on_token=args.crash_on_token,
     )
+    if args.crash_on_token is not None and args.crash_on_token < 0:
+        raise ValueError(f"--crash-on-token must be a token id >= 0, got {args.crash_on_token}")
     if args.time_scale <= 0:
         raise ValueError("--time-scale must be > 0")
     name = args.served_model_name or (model_dir.name if model_dir else "sim")
     return SimSettings(engine=engine, served_model_name=name, model_dir=model_dir,
                        time_scale=args.time_scale, kv_events=args.kv_events,
-                       kv_replay=args.kv_replay), tokenizer
+                       kv_replay=args.kv_replay,
+                       max_chars_per_token=_max_chars_per_token(model_dir) if model_dir else None,
+                       ), tokenizer
 
 
-async def _main(settings: SimSettings, tokenizer: object | None, host: str, port: int) -> None:
+async def _main(settings: SimSettings, tokenizer: object | None, host: str, port: int) -> bool:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    await serve(SimReplica(settings, tokenizer), host, port, stop)
+    return await serve(SimReplica(settings, tokenizer), host, port, stop)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start the replica and serve until SIGTERM/SIGINT."""
+    """Serve until SIGTERM/SIGINT (exit 0) or until the engine dies (exit 1)."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -135,5 +156,5 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"replica sim: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(_main(settings, tokenizer, args.host, args.port))
-    return 0
+    died = asyncio.run(_main(settings, tokenizer, args.host, args.port))
+    return 1 if died else 0

@@ -1,0 +1,193 @@
+"""vLLM 0.32's request rules for /v1/completions and /v1/chat/completions, as plain functions.
+
+The sim applies them in vLLM's order, so a request vLLM refuses gets the same status, message
+and param here, and one vLLM serves is served with the same max_tokens:
+
+1. pydantic: an integer field holding NaN or +-Infinity (Python's JSON reader accepts
+   them) fails validation ("Input should be a finite number"): `non_finite_int_errors`.
+2. TokenizeParams.__post_init__ (vllm/renderers/params.py), before tokenization: a
+   requested max_tokens larger than max_model_len is refused: `check_max_output_tokens`.
+3. TokenizeParams._text_len_check, then _token_len_check: a prompt longer than
+   max_model_len is refused; max_tokens is not added to it: `check_prompt_length`.
+4. get_max_tokens (vllm/entrypoints/serve/utils/api_utils.py): max_tokens is capped to
+   the context left, min(max_model_len - prompt_len, requested): `capped_max_tokens`.
+5. SamplingParams._verify_args (vllm/sampling_params.py): penalties, temperature, top_p,
+   top_k, min_p, then max_tokens >= 1 (so a prompt of exactly max_model_len tokens is
+   refused here, with max_tokens 0): `check_sampling`.
+
+Messages are vLLM's create_error_response text: a VLLMValidationError's str() appends
+" (parameter=..., value=...)" when it names them, and a pydantic error is wrapped in
+"1 validation error:" with type "Bad Request" and param "body.<field>".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from replica.engine import RequestRejected
+
+# Integer fields of vLLM's request models, in model-definition order (pydantic reports
+# errors in this order).
+COMPLETION_INT_FIELDS = ("logprobs", "max_tokens", "n", "seed", "top_k", "min_tokens",
+                         "truncate_prompt_tokens", "prompt_logprobs", "priority",
+                         "routed_experts_prompt_start", "thinking_token_budget",
+                         "stream_interval")
+CHAT_INT_FIELDS = ("top_logprobs", "max_tokens", "max_completion_tokens", "n", "seed",
+                   "thinking_token_budget", "top_k", "min_tokens", "truncate_prompt_tokens",
+                   "prompt_logprobs", "priority", "routed_experts_prompt_start",
+                   "stream_interval")
+# vLLM's OpenAI defaults for the sampling floats it validates.
+_SAMPLING_DEFAULTS = {"presence_penalty": 0.0, "frequency_penalty": 0.0,
+                      "repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0,
+                      "min_p": 0.0}
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def validation_error(message: str, parameter: str | None = None,
+                     value: object = None) -> RequestRejected:
+    """A VLLMValidationError as vLLM's HTTP layer words it (str() adds parameter/value)."""
+    extras = []
+    if parameter is not None:
+        extras.append(f"parameter={parameter}")
+    if value is not None:
+        extras.append(f"value={value}")
+    text = f"{message} ({', '.join(extras)})" if extras else message
+    return RequestRejected(text, parameter)
+
+
+def _is_non_finite(value: object) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def non_finite_int_errors(body: dict[str, Any], chat: bool) -> None:
+    """Refuse NaN/Infinity in integer fields, as pydantic does (400, type "Bad Request")."""
+    fields = CHAT_INT_FIELDS if chat else COMPLETION_INT_FIELDS
+    bad = [name for name in fields if _is_non_finite(body.get(name))]
+    if not bad:
+        return
+    label = "error" if len(bad) == 1 else "errors"
+    lines = "".join(
+        f"  {{'type': 'finite_number', 'loc': 'body.{name}', "
+        f"'msg': 'Input should be a finite number', 'input': '{body[name]}'}}\n"
+        for name in bad)
+    raise RequestRejected(f"{len(bad)} validation {label}:\n{lines}".rstrip(),
+                          f"body.{bad[0]}", err_type="Bad Request")
+
+
+def requested_max_tokens(body: dict[str, Any], chat: bool) -> tuple[int | None, str]:
+    """The max_tokens a client asked for and the field that holds it.
+
+    Chat: max_completion_tokens wins over max_tokens; neither means "the rest of the
+    context". Completions: max_tokens, whose default (also for null) is 16.
+    """
+    if chat:
+        if body.get("max_completion_tokens") is not None:
+            return body["max_completion_tokens"], "max_completion_tokens"
+        return body.get("max_tokens"), "max_tokens"
+    value = body.get("max_tokens")
+    return (COMPLETION_DEFAULT_MAX_TOKENS if value is None else value), "max_tokens"
+
+
+def check_max_output_tokens(requested: int | None, param: str, max_model_len: int) -> None:
+    """TokenizeParams: more requested output tokens than the whole context is refused."""
+    if requested is not None and requested > max_model_len:
+        raise validation_error(
+            f"{param}={requested} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.", param, requested)
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int, *, text_chars: int | None = None,
+                        max_chars_per_token: int | None = None) -> None:
+    """TokenizeParams' length checks: a prompt over max_model_len tokens is refused.
+
+    `text_chars` is the length of a text prompt (a chat's rendered template) when there
+    was one: vLLM refuses it by characters first when it exceeds max_model_len *
+    max_chars_per_token, and otherwise tokenizes it truncated to max_model_len + 1
+    tokens, so it can only report "at least" that many. Token-id prompts report their
+    count, with "at least" too when it happens to be exactly max_model_len + 1.
+    """
+    if text_chars is not None and max_chars_per_token:
+        max_chars = max_model_len * max_chars_per_token
+        if text_chars > max_chars:
+            raise validation_error(
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"your prompt contains {text_chars} characters (more than {max_chars} "
+                f"characters, which is the upper bound for {max_model_len} input tokens). "
+                "Please reduce the length of the input prompt.", "input_text", text_chars)
+    if num_tokens <= max_model_len:
+        return
+    if text_chars is not None:
+        num_tokens = max_model_len + 1
+    qualifier = "at least " if num_tokens == max_model_len + 1 else ""
+    raise validation_error(
+        f"This model's maximum context length is {max_model_len} tokens. However, your "
+        f"prompt contains {qualifier}{num_tokens} input tokens, which exceeds this limit "
+        "even without any output tokens. Please reduce the length of the input prompt.",
+        "input_tokens", num_tokens)
+
+
+def capped_max_tokens(max_model_len: int, requested: int | None, prompt_len: int) -> int:
+    """get_max_tokens: the output budget is the context left, or less if asked for less."""
+    left = max_model_len - prompt_len
+    return left if requested is None else min(left, requested)
+
+
+def _float(body: dict[str, Any], name: str) -> float:
+    value = body.get(name)
+    if value is None:
+        return _SAMPLING_DEFAULTS[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestRejected(f"{name} must be a number, got {value!r}", name)
+    return float(value)
+
+
+def check_sampling(body: dict[str, Any], max_tokens: int) -> None:
+    """SamplingParams._verify_args for the fields the sim reads, in vLLM's order."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _float(body, name)
+        if not -2.0 <= v <= 2.0:
+            raise validation_error(f"{name} must be in [-2, 2], got {v}.")
+    rep = _float(body, "repetition_penalty")
+    if not math.isfinite(rep):
+        raise validation_error(f"repetition_penalty must be a finite number, got {rep}.")
+    if rep <= 0.0:
+        raise validation_error(f"repetition_penalty must be greater than zero, got {rep}.")
+    temp = _float(body, "temperature")
+    if not math.isfinite(temp):
+        raise validation_error(f"temperature must be a finite number, got {temp}.",
+                               "temperature", temp)
+    if temp < 0.0:
+        raise validation_error(f"temperature must be non-negative, got {temp}.",
+                               "temperature", temp)
+    if temp > 2.0:
+        raise validation_error(f"temperature must be in [0, 2], got {temp}.", "temperature", temp)
+    top_p = _float(body, "top_p")
+    if not 0.0 < top_p <= 1.0:
+        raise validation_error(f"top_p must be in (0, 1], got {top_p}.", "top_p", top_p)
+    top_k = body.get("top_k")
+    if isinstance(top_k, int) and top_k < -1:
+        raise validation_error(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+    min_p = _float(body, "min_p")
+    if not 0.0 <= min_p <= 1.0:
+        raise validation_error(f"min_p must be in [0, 1], got {min_p}.")
+    if max_tokens < 1:
+        raise validation_error(f"max_tokens must be at least 1, got {max_tokens}.",
+                               "max_tokens", max_tokens)
+
+
+def skips_prefix_cache(body: dict[str, Any], chat: bool) -> bool:
+    """Whether vLLM skips reading the prefix cache: whenever prompt logprobs are computed.
+
+    SamplingParams.__post_init__ sets skip_reading_prefix_cache when prompt_logprobs is
+    not None. The request's to_sampling_params sets prompt_logprobs from
+    `prompt_logprobs`, or, with `echo`, from `logprobs` (completions) or `top_logprobs`
+    (chat, where it defaults to 0, so any chat echo skips the cache).
+    """
+    if body.get("prompt_logprobs") is not None:
+        return True
+    if body.get("echo") is not True:
+        return False
+    if chat:
+        return True  # top_logprobs is an int that defaults to 0 (null reads as 0)
+    return body.get("logprobs") is not None
