@@ -35,8 +35,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from router.config import ProxyConfig
 from router.metrics import GatewayMetrics
 from router.replicas import Fleet, Replica
+from router.request import error_payload
 
 log = logging.getLogger(__name__)
 
@@ -48,32 +50,11 @@ _CONNECT_TIMEOUT: type[Exception] = getattr(aiohttp, "ConnectionTimeoutError",
 _MAX_ERROR_BODY = 64 * 1024
 
 
-def error_payload(message: str, err_type: str, *, param: str | None = None,
-                  code: int | str | None = None) -> dict[str, Any]:
-    """An OpenAI-style error object."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-
-
 def json_error(status: int, message: str, err_type: str, *, param: str | None = None,
                headers: Mapping[str, str] | None = None) -> web.Response:
-    """An OpenAI-style JSON error response."""
+    """An OpenAI-style JSON error response (router.request's one error shape)."""
     return web.json_response(error_payload(message, err_type, param=param, code=status),
                              status=status, headers=headers)
-
-
-@dataclass(frozen=True)
-class ProxySettings:
-    """Timeouts and retry parameters (from the config's proxy section)."""
-
-    connect_timeout_s: float = 2.0
-    first_token_timeout_s: float = 30.0
-    idle_timeout_s: float = 30.0
-    max_retries: int = 2
-    retry_budget_ratio: float = 0.2
-    hold_until_content: bool = True
-    min_retry_budget: int = 3  # retries allowed at once even with few requests in flight
-    backoff_base_s: float = 0.01
-    backoff_max_s: float = 0.2
 
 
 class RetryBudget:
@@ -112,6 +93,9 @@ class UpstreamRequest:
     strip_token_ids: bool = False  # the gateway asked for return_token_ids, not the client
     max_tokens: int | None = None
     payload: bytes | None = None  # `body` already serialized (off the loop, for long prompts)
+    # replica id -> (predicted prefill seconds, predicted TTFT seconds), for the replica's
+    # outstanding-work account (router/outstanding.py); replicas not named count 0.
+    predicted_work: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -254,7 +238,7 @@ class _StreamState:
 class Forwarder:
     """Sends a routed request to the ranked replicas in turn and relays the answer."""
 
-    def __init__(self, session: aiohttp.ClientSession, fleet: Fleet, settings: ProxySettings,
+    def __init__(self, session: aiohttp.ClientSession, fleet: Fleet, settings: ProxyConfig,
                  metrics: GatewayMetrics, rng: random.Random | None = None) -> None:
         self._session = session
         self._fleet = fleet
@@ -332,6 +316,8 @@ class Forwarder:
         else:
             deadline = s.first_token_timeout_s + s.idle_timeout_s * max(1, up.max_tokens or 1)
         replica.inflight += 1
+        prefill_s, predicted_ttft_s = up.predicted_work.get(replica.replica_id, (0.0, 0.0))
+        work = replica.work.begin(self._fleet.now(), prefill_s, predicted_ttft_s, up.stream)
         resp: aiohttp.ClientResponse | None = None
         handed_over = False
         try:
@@ -364,6 +350,8 @@ class Forwarder:
                                 held.append(out)
                             if content or not s.hold_until_content:
                                 break
+                        # Its first token: the replica's prefill of it is done.
+                        replica.work.first_byte(work, self._fleet.now())
             except TimeoutError as exc:
                 if isinstance(exc, _CONNECT_TIMEOUT):
                     raise UpstreamFailure("connect", "connect timed out", 504) from exc
@@ -390,6 +378,7 @@ class Forwarder:
             return response, outcome
         finally:
             replica.inflight -= 1
+            replica.work.end(work, self._fleet.now())
             if resp is not None and not (handed_over and outcome.completed):
                 # Dropping the connection is how vLLM learns to abort the request.
                 resp.close()

@@ -33,9 +33,11 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from router.config import HealthConfig
 from router.handshake import run_handshake
 from router.hashing import HashConfig
 from router.index import PrefixIndex
+from router.outstanding import OutstandingWork
 from router.policy.types import PrefillProfile
 
 # Probe token ids stay below this so any vocabulary, however small, accepts them.
@@ -113,17 +115,9 @@ class ReplicaTarget:
     prefill: PrefillProfile | None = None
 
 
-@dataclass(frozen=True)
-class HealthSettings:
-    """Active and passive health parameters (from the config's health section)."""
-
-    interval_s: float = 5.0
-    timeout_s: float = 2.0
-    eject_after_failures: int = 3
-    eject_base_s: float = 5.0
-    eject_max_s: float = 120.0
-    scrape_interval_s: float = 2.0
-    dns_interval_s: float = 10.0
+# The Fleet's health parameters are the config's health section itself: one definition
+# and one set of defaults (router/config/sections.py).
+HealthSettings = HealthConfig
 
 
 @dataclass
@@ -152,6 +146,9 @@ class Replica:
     mode: str = "record"  # "events" when its KV events feed the index
     removed: bool = False
     served_models: tuple[str, ...] = ()  # from its /v1/models, when not configured
+    # This gateway's pending prefills and decodes there (the proxy counts them): the
+    # queue cache_aware weighs, in seconds of work (router/outstanding.py).
+    work: OutstandingWork = field(default_factory=OutstandingWork)
 
     def serves(self, model: str) -> bool:
         if self.target.models:
@@ -180,6 +177,14 @@ class Replica:
         total = self.inflight + external
         waiting = min(int(self.waiting), total)
         return total - waiting, waiting
+
+    def external(self) -> tuple[int, int]:
+        """(running, waiting) of other clients' requests there, at the last scrape: what
+        the scrape saw beyond our own in-flight requests at that moment."""
+        scraped = int(self.running + self.waiting)
+        external = max(0, scraped - self.inflight_at_scrape)
+        waiting = min(int(self.waiting), external)
+        return external - waiting, waiting
 
     def ejected(self, now: float) -> bool:
         return now < self.ejected_until

@@ -4,8 +4,8 @@
              -> index lookup (one round trip, with a deadline) -> ReplicaState snapshots
              -> policy.decide -> Route
 
-Nothing here touches the web request or writes a response; the app calls `parse_body`
-then `RoutingPipeline.route` and hands the Route to the proxy.
+Nothing here touches the web request or writes a response; the app calls
+`router.request.parse_request` then `RoutingPipeline.route` and hands the Route to the proxy.
 
 Replicas of one model normally share one HashConfig (block size, algorithm, seed); a
 fleet that mixes them forms several hash groups, each keyed and looked up separately
@@ -16,7 +16,6 @@ own group's chain.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from array import array
@@ -30,83 +29,11 @@ import xxhash
 
 from router.hashing import BlockChain, HashConfig, event_key, max_cacheable_blocks
 from router.index import IndexUnavailable, PrefixIndex
+from router.pending import PendingChains, merge_matches
+from router.policy.pipeline import NoReplicasError
 from router.policy.types import ReplicaState, RoutingDecision, RoutingRequest
 from router.replicas import Replica
-
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-
-
-class ClientError(Exception):
-    """A mistake in the client's request: becomes an OpenAI-style 4xx error."""
-
-    def __init__(self, status: int, message: str, err_type: str = "invalid_request_error",
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.err_type = err_type
-        self.param = param
-
-
-@dataclass(frozen=True)
-class ParsedRequest:
-    """A decoded request body and the fields routing and proxying read from it."""
-
-    endpoint: str  # "chat" | "completions"
-    body: dict[str, Any]
-    model: str
-    stream: bool
-    client_wants_usage: bool
-    max_tokens: int | None
-
-
-def parse_body(raw: bytes, endpoint: str) -> ParsedRequest:
-    """Decode and sanity-check a body (400 on invalid UTF-8, malformed JSON, no model)."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ClientError(400, f"request body is not valid UTF-8 (byte {exc.start})") from None
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ClientError(400, f"request body is not valid JSON: {exc.msg} at line {exc.lineno} "
-                          f"column {exc.colno}") from None
-    if not isinstance(body, dict):
-        raise ClientError(400, "request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise ClientError(400, "'model' is required and must be a string", param="model")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ClientError(400, "'stream' must be a boolean", param="stream")
-    options = body.get("stream_options")
-    wants_usage = not stream or (isinstance(options, dict) and options.get("include_usage") is True)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
-        max_tokens = None
-    return ParsedRequest(endpoint=endpoint, body=body, model=model, stream=stream,
-                         client_wants_usage=wants_usage, max_tokens=max_tokens)
-
-
-def upstream_body(parsed: ParsedRequest, cache_salt: str | None,
-                  want_token_ids: bool) -> tuple[dict[str, Any], bool]:
-    """The body to forward: the tenant's salt injected, usage always requested.
-
-    Returns (body, strip_token_ids): whether the gateway asked for the generated token
-    ids itself (to record a replica's cache without KV events) and must hide them.
-    """
-    body = dict(parsed.body)
-    if cache_salt is not None:
-        body["cache_salt"] = cache_salt
-    if parsed.stream:
-        options = dict(body.get("stream_options") or {})
-        options["include_usage"] = True  # the actual cached tokens ride in the usage chunk
-        body["stream_options"] = options
-    strip = False
-    if want_token_ids and not body.get("return_token_ids"):
-        body["return_token_ids"] = True
-        strip = True
-    return body, strip
+from router.request import ParsedRequest
 
 
 class Tokenizer(Protocol):
@@ -216,10 +143,8 @@ def prepare_prompt(tokenizer: Tokenizer | None, chains: ChainCache, parsed: Pars
     started = time.perf_counter()
     tokens: list[int] | None
     if tokenizer is not None:
-        try:
-            tokens = tokenizer.request_tokens(parsed.body, parsed.endpoint)
-        except ValueError as exc:  # tokenize.RequestError: the replica would refuse it too
-            raise ClientError(400, str(exc), param=getattr(exc, "param", None)) from None
+        # A body the replica would refuse raises router.request.ClientError here.
+        tokens = tokenizer.request_tokens(parsed.body, parsed.endpoint)
     else:
         tokens = token_id_prompt(parsed.body) if parsed.endpoint == "completions" else None
     keys: dict[HashConfig, tuple[int, ...]] = {}
@@ -294,13 +219,17 @@ def snapshot(replica: Replica, matched_blocks: int, now: float) -> ReplicaState:
     """A frozen ReplicaState of one replica for one decision (see Replica.outstanding)."""
     t = replica.target
     running, waiting = replica.outstanding()
+    work = replica.work.view(now)
+    external_running, external_waiting = replica.external()
     return ReplicaState(
         replica_id=replica.replica_id, healthy=replica.healthy and not replica.removed,
         verified=replica.verified, inflight=replica.inflight, running=running,
         waiting=waiting, kv_usage=replica.kv_usage, matched_blocks=matched_blocks,
         block_size=t.hash_config.block_size, profile=t.prefill,
         models=frozenset(t.models) if t.models else None, ejected=replica.ejected(now),
-        capacity=t.max_concurrency,
+        capacity=t.max_concurrency, queued_prefill_s=work.wait_s, decoding=work.decoding,
+        external_running=external_running, external_waiting=external_waiting,
+        mean_prefill_s=work.mean_prefill_s, bias=work.bias,
     )
 
 
@@ -321,13 +250,12 @@ class Route:
     decision_seconds: float
     cache_salt: str | None
     predicted: dict[str, int] = field(default_factory=dict)  # replica id -> cached tokens
+    # The chain entered as pending on the chosen replica (router/pending.py), to drop if
+    # the request does not end up served there.
+    pending_handle: int | None = None
 
     def predicted_for(self, replica_id: str) -> int:
         return self.predicted.get(replica_id, 0)
-
-
-class NoReplica(Exception):
-    """No replica serves the requested model."""
 
 
 @dataclass
@@ -344,6 +272,7 @@ class RoutingPipeline:
     policy: Policy
     index_deadline_s: float
     executor: Executor | None = None
+    pending: PendingChains | None = None
 
     async def route(self, parsed: ParsedRequest, replicas: Sequence[Replica], now: float,
                     tenant: str | None, cache_salt: str | None,
@@ -357,7 +286,7 @@ class RoutingPipeline:
         model's local one (remote tokenization).
         """
         if not replicas:
-            raise NoReplica(parsed.model)
+            raise NoReplicasError(f"no replica serves {parsed.model!r}")
         started = time.perf_counter()
         members: dict[HashConfig, set[str]] = {}
         for r in replicas:
@@ -372,7 +301,13 @@ class RoutingPipeline:
             prompt = prepare_prompt(tokenizer, self.chains, parsed, list(members), cache_salt)
         lookup = await lookup_matches(self.index, parsed.model, prompt.keys, members,
                                       self.index_deadline_s)
-        states = [snapshot(r, lookup.matches.get(r.replica_id, 0), now) for r in replicas]
+        matches: Mapping[str, int] = lookup.matches
+        if self.pending is not None:
+            # Prefixes routed moments ago whose replica has not announced them yet.
+            for config, chain in prompt.keys.items():
+                matches = merge_matches(matches, self.pending.matches(
+                    parsed.model, chain, members.get(config, ()), now))
+        states = [snapshot(r, matches.get(r.replica_id, 0), now) for r in replicas]
         primary = max(prompt.keys.items(), key=lambda kv: len(members[kv[0]]),
                       default=(None, ()))[1]
         request = RoutingRequest(model=parsed.model, keys=primary,
@@ -380,6 +315,12 @@ class RoutingPipeline:
                                  session_key=session_key)
         decision = self.policy.decide(request, states)
         by_id = {r.replica_id: r for r in replicas}
+        pending_handle = None
+        chosen = by_id.get(decision.replica_id)
+        if self.pending is not None and chosen is not None:
+            pending_handle = self.pending.add(
+                parsed.model, chosen.replica_id,
+                prompt.keys.get(chosen.target.hash_config, ()), now)
         ranked = [by_id[rid] for rid in decision.ranked if rid in by_id]
         if decision.replica_id in by_id and (not ranked or ranked[0].replica_id != decision.replica_id):
             ranked.insert(0, by_id[decision.replica_id])
@@ -391,7 +332,7 @@ class RoutingPipeline:
         return Route(parsed=parsed, prompt=prompt, decision=decision, candidates=ranked,
                      matches=lookup.matches, lookup=lookup,
                      decision_seconds=time.perf_counter() - started, cache_salt=cache_salt,
-                     predicted=predicted)
+                     predicted=predicted, pending_handle=pending_handle)
 
 
 def completion_keys(chains: ChainCache, config: HashConfig, prompt_tokens: Sequence[int],

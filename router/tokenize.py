@@ -5,11 +5,9 @@ the very token ids the replica will: one stray BOS or a differently flattened me
 shifts every block. This module follows vLLM's renderer (vllm/renderers/chat_utils.py
 and hf.py) for the OpenAI endpoints:
 
-- chat: messages are normalised as vLLM does (text parts joined with "\\n", or kept as
-  a list of text parts when the template loops over message content: vLLM's "auto"
-  content format, detected the same way; tool-call `arguments` parsed from JSON into a
-  mapping; developer -> system when the template has no developer role); the template
-  is rendered by transformers'
+- chat: messages and tools are normalised as vLLM does (router.chat_messages; the
+  content format vLLM's "auto" picks is detected the same way, router.content_format);
+  the template is rendered by transformers'
   `render_jinja_template` with the tokenizer's special tokens, tools (in vLLM's
   model_dump form), add_generation_prompt (default True), continue_final_message and
   chat_template_kwargs; the text is tokenized with add_special_tokens=False (the body's
@@ -31,7 +29,6 @@ added tokens that strip neighbouring spaces).
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import threading
@@ -41,27 +38,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
+from router.chat_messages import developer_to_system, normalise_messages, normalise_tools
+from router.content_format import detect_content_format
+from router.request import ClientError
+
 Endpoint = Literal["chat", "completions"]
 
-_TEXT_PART_FIELDS = {
-    "text": "text", "input_text": "text", "output_text": "text",
-    "refusal": "refusal", "thinking": "thinking",
-}
-# vLLM drops this first line of Claude Code's system prompt (its value changes on
-# every request and would break the prefix cache); we must drop it too.
-_CLAUDE_CODE_BILLING_HEADER = "x-anthropic-billing-header"
 _MAX_POSITION_KEYS = (
     "max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
 )
 
 
-class RequestError(ValueError):
-    """A request body the replica would reject (HTTP 400); `param` names the bad field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
+# The CLIs and the simulator catch a refused body under this name.
+RequestError = ClientError
 
 
 @dataclass
@@ -109,323 +98,6 @@ class SegmentCache:
             self.stats.chars = self._chars
 
 
-def _require_str(value: Any, param: str) -> str:
-    if not isinstance(value, str):
-        raise RequestError(f"{param} must be a string, got {type(value).__name__}", param)
-    return value
-
-
-def _content_texts(content: Any, param: str) -> list[str]:
-    """The text pieces of a message's content (a string or a list of parts)."""
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [content]
-    if not isinstance(content, list):
-        raise RequestError(
-            f"{param} must be a string or a list of content parts, got {type(content).__name__}",
-            param,
-        )
-    texts: list[str] = []
-    for i, part in enumerate(content):
-        where = f"{param}[{i}]"
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        if not isinstance(part, dict):
-            raise RequestError(f"{where} must be an object, got {type(part).__name__}", where)
-        part_type = part.get("type")
-        field_name = _TEXT_PART_FIELDS.get(part_type) if isinstance(part_type, str) else None
-        if field_name is None:
-            raise RequestError(
-                f"{where} has type {part_type!r}; only text parts are supported "
-                f"({', '.join(sorted(_TEXT_PART_FIELDS))})",
-                where,
-            )
-        text = part.get(field_name)
-        if text is None:
-            continue  # vLLM skips a text part without text
-        texts.append(_require_str(text, f"{where}.{field_name}"))
-    return texts
-
-
-def _strip_billing_header(texts: list[str]) -> list[str]:
-    out = []
-    for text in texts:
-        if text.startswith(_CLAUDE_CODE_BILLING_HEADER):
-            text = text.partition("\n")[2]
-            if not text:
-                continue
-        out.append(text)
-    return out
-
-
-def _parse_arguments(arguments: Any) -> dict[str, Any]:
-    """Tool-call arguments as vLLM hands them to templates: always a mapping.
-
-    vLLM coerces malformed or non-object JSON to {} rather than failing the request,
-    since the bad string lives in the history and would fail every later turn too.
-    """
-    if not arguments:
-        return {}
-    if isinstance(arguments, dict):
-        return arguments
-    parsed: Any = arguments
-    if isinstance(arguments, str):
-        try:
-            parsed = json.loads(arguments)
-        except json.JSONDecodeError:
-            return {}
-    return parsed if isinstance(parsed, dict) else {}
-
-
-def _normalise_tool_calls(calls: Any, param: str) -> list[Any] | None:
-    if not isinstance(calls, list):
-        raise RequestError(f"{param} must be a list, got {type(calls).__name__}", param)
-    if not calls:
-        return None  # vLLM drops an empty list to keep templates on the plain path
-    out = []
-    for i, call in enumerate(calls):
-        where = f"{param}[{i}]"
-        if not isinstance(call, dict):
-            raise RequestError("assistant tool_calls entries must be objects.", "tool_calls")
-        function = call.get("function")
-        if call.get("type", "function") != "function" or not isinstance(function, dict):
-            raise RequestError(
-                "chat completions only support assistant tool_calls of type 'function'.",
-                "tool_calls",
-            )
-        call = copy.deepcopy(call)
-        call["function"]["arguments"] = _parse_arguments(function.get("arguments"))
-        if not isinstance(call["function"].get("name", ""), str):
-            raise RequestError(f"{where}.function.name must be a string", where)
-        out.append(call)
-    return out
-
-
-def normalise_messages(
-    messages: Any, *, content_format: str = "string"
-) -> list[dict[str, Any]]:
-    """Chat messages as vLLM passes them to the template (its 'string' or 'openai' form)."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list of message objects", "messages")
-    conversation: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise RequestError(f"{where} must be an object, got {type(message).__name__}", where)
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise RequestError(f"{where}.role must be a non-empty string, got {role!r}", where)
-        texts = _content_texts(message.get("content"), f"{where}.content")
-        if role == "system":
-            texts = _strip_billing_header(texts)
-        content: Any
-        if content_format == "openai":
-            content = [{"type": "text", "text": t} for t in texts]
-        else:
-            content = "\n".join(texts)
-        out: dict[str, Any] = {"role": role, "content": content}
-        if role == "assistant":
-            if message.get("tool_calls") is not None:
-                calls = _normalise_tool_calls(message["tool_calls"], f"{where}.tool_calls")
-                if calls is not None:
-                    out["tool_calls"] = calls
-            reasoning = message.get("reasoning")
-            if reasoning is not None:
-                out["reasoning"] = out["reasoning_content"] = reasoning
-        elif role == "tool":
-            if "tool_call_id" in message:
-                out["tool_call_id"] = message["tool_call_id"]
-            if content_format == "openai":
-                out["content"] = "\n".join(texts)
-        if isinstance(message.get("name"), str):
-            out["name"] = message["name"]
-        if isinstance(message.get("task"), str):
-            out["task"] = message["task"]
-        if role == "developer":
-            out["tools"] = message.get("tools")
-        conversation.append(out)
-    return conversation
-
-
-def _developer_to_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """vLLM's rewrite for templates without a developer role: one merged system message."""
-    converted = []
-    for msg in conversation:
-        if msg["role"] == "developer":
-            msg = {k: v for k, v in msg.items() if k != "tools"}
-            msg["role"] = "system"
-        converted.append(msg)
-    system_texts: list[str] = []
-    others: list[dict[str, Any]] = []
-    merge = False
-    for i, msg in enumerate(converted):
-        if msg["role"] != "system":
-            others.append(msg)
-            continue
-        merge = merge or i > 0 or bool(system_texts)
-        content = msg.get("content", "")
-        if isinstance(content, list):
-            content = "\n".join(
-                p["text"] if isinstance(p, dict) else p
-                for p in content
-                if isinstance(p, str) or (isinstance(p, dict) and "text" in p)
-            )
-        if content:
-            system_texts.append(content)
-    if not merge:
-        return converted
-    return [{"role": "system", "content": "\n\n".join(system_texts)}, *others]
-
-
-def normalise_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """Tool definitions in the shape vLLM's pydantic model_dump gives the template."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise RequestError(f"tools must be a list, got {type(tools).__name__}", "tools")
-    if not tools:
-        raise RequestError(
-            "`tools` must not be an empty array. "
-            "Either provide at least one tool or omit the field entirely.",
-            "tools",
-        )
-    out = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
-            raise RequestError(f"{where} must be an object with a 'function' object", where)
-        if tool.get("type", "function") != "function":
-            raise RequestError(f"{where}.type must be 'function', got {tool.get('type')!r}", where)
-        fn = tool["function"]
-        name = fn.get("name")
-        if not isinstance(name, str):
-            raise RequestError(f"{where}.function.name must be a string, got {name!r}", where)
-        params = fn.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise RequestError(f"{where}.function.parameters must be an object", where)
-        function: dict[str, Any] = {
-            "name": name, "description": fn.get("description"), "parameters": params,
-        }
-        for optional in ("strict", "defer_loading"):
-            if fn.get(optional) is not None:
-                function[optional] = fn[optional]
-        if tool.get("defer_loading") is not None and "defer_loading" not in function:
-            function["defer_loading"] = tool["defer_loading"]
-        dumped: dict[str, Any] = {"type": "function", "function": function}
-        if tool.get("defer_loading") is not None:
-            dumped["defer_loading"] = tool["defer_loading"]
-        out.append(dumped)
-    return out
-
-
-# -- content format: vLLM's "auto" detection, ported from vllm/renderers/hf.py --------
-#
-# vLLM hands a template message content either as one string ("string") or as a list
-# of {"type": "text", ...} parts ("openai"); it picks "openai" when the template loops
-# over a message's content. The rendered text differs between the two, so the gateway
-# must pick the same way.
-
-
-def _is_var(node: Any, name: str) -> bool:
-    from jinja2 import nodes
-
-    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
-
-
-def _is_attr(node: Any, name: str, key: str) -> bool:
-    from jinja2 import nodes
-
-    if isinstance(node, nodes.Getitem):
-        return _is_var(node.node, name) and isinstance(node.arg, nodes.Const) and node.arg.value == key
-    if isinstance(node, nodes.Getattr):
-        return _is_var(node.node, name) and node.attr == key
-    return False
-
-
-def _is_var_or_elems(node: Any, name: str, key: str | None = None) -> bool:
-    from jinja2 import nodes
-
-    if isinstance(node, nodes.Filter):
-        return node.node is not None and _is_var_or_elems(node.node, name, key)
-    if isinstance(node, nodes.Test):
-        return _is_var_or_elems(node.node, name, key)
-    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
-        return _is_var_or_elems(node.node, name, key)
-    return _is_attr(node, name, key) if key else _is_var(node, name)
-
-
-def _aliases(root: Any, name: str) -> list[str]:
-    """`name` and every variable assigned from it (or a slice of it), transitively."""
-    from jinja2 import nodes
-
-    found = [name]
-    queue = [name]
-    while queue:
-        current = queue.pop(0)
-        for assign in root.find_all(nodes.Assign):
-            if _is_var_or_elems(assign.node, current) and isinstance(assign.target, nodes.Name):
-                found.append(assign.target.name)
-                if assign.target.name != current:
-                    queue.append(assign.target.name)
-    return found
-
-
-def _loops_over_content(root: Any) -> bool:
-    from jinja2 import nodes
-
-    messages = _aliases(root, "messages")
-    message_vars = [
-        loop.target.name
-        for loop in root.find_all(nodes.For)
-        if isinstance(loop.target, nodes.Name) and any(_is_var_or_elems(loop.iter, m) for m in messages)
-    ]
-    # Macro parameters that receive message.content, whatever they are called.
-    params_by_loop: dict[int, set[str]] = {}
-    loops_in_macros: set[int] = set()
-    for macro in root.find_all(nodes.Macro):
-        names = {arg.name for arg in macro.args}
-        params: set[str] = set()
-        for call in root.find_all(nodes.Call):
-            if not (isinstance(call.node, nodes.Name) and call.node.name == macro.name):
-                continue
-            for i, arg in enumerate(call.args):
-                if i < len(macro.args) and any(_is_var_or_elems(arg, v, "content") for v in message_vars):
-                    params.add(macro.args[i].name)
-            for kw in call.kwargs:
-                if kw.key in names and any(
-                    _is_var_or_elems(kw.value, v, "content") for v in message_vars
-                ):
-                    params.add(kw.key)
-        for loop in macro.find_all(nodes.For):
-            loops_in_macros.add(id(loop))
-            if params:
-                params_by_loop[id(loop)] = params
-    for loop in root.find_all(nodes.For):
-        if any(_is_var_or_elems(loop.iter, v, "content") for v in message_vars):
-            return True
-        if isinstance(loop.iter, nodes.Name):
-            if loop.iter.name in params_by_loop.get(id(loop), set()):
-                return True
-            if id(loop) not in loops_in_macros and loop.iter.name == "content":
-                return True
-    return False
-
-
-def detect_content_format(chat_template: str) -> str:
-    """'openai' if the template loops over message content, else 'string' (as vLLM's auto)."""
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-
-    try:
-        root = _compile_jinja_template(chat_template).environment.parse(chat_template)
-    except Exception:  # vLLM falls back to "string" for a template it cannot parse
-        return "string"
-    try:
-        return "openai" if _loops_over_content(root) else "string"
-    except Exception:
-        return "string"
-
 
 def _token_ids(value: Any, param: str) -> list[int] | None:
     """`value` as a token-id list, None if it is not a list of ints at all."""
@@ -435,7 +107,7 @@ def _token_ids(value: Any, param: str) -> list[int] | None:
         return None
     for t in value:
         if t < 0:
-            raise RequestError(f"{param} holds a negative token id {t}", param)
+            raise ClientError(f"{param} holds a negative token id {t}", param)
     return list(value)
 
 
@@ -445,7 +117,7 @@ def _truncate(ids: list[int], body: dict[str, Any], max_model_len: int) -> list[
     if k is None:
         return ids
     if not isinstance(k, int) or isinstance(k, bool) or k < -1:
-        raise RequestError(
+        raise ClientError(
             f"truncate_prompt_tokens must be an integer >= -1, got {k!r}", "truncate_prompt_tokens"
         )
     if k == -1:
@@ -458,7 +130,7 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise RequestError(f"{name} must be a boolean, got {value!r}", name)
+        raise ClientError(f"{name} must be a boolean, got {value!r}", name)
     return value
 
 
@@ -585,9 +257,9 @@ class PromptTokenizer:
         from transformers.utils.chat_template_utils import render_jinja_template
 
         if not isinstance(body, dict):
-            raise RequestError("request body must be a JSON object")
+            raise ClientError("request body must be a JSON object")
         if body.get("chat_template") is not None:
-            raise RequestError(
+            raise ClientError(
                 "chat_template is not allowed in requests (the server does not trust it)",
                 "chat_template",
             )
@@ -601,16 +273,16 @@ class PromptTokenizer:
         if add_generation_prompt and continue_final:
             # add_generation_prompt defaults to True, so a client continuing the final
             # message must turn it off; vLLM rejects the pair whether or not it is explicit.
-            raise RequestError(
+            raise ClientError(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                 "continue_final_message",
             )
         user_kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(user_kwargs, dict):
-            raise RequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
+            raise ClientError("chat_template_kwargs must be an object", "chat_template_kwargs")
         bad = {"chat_template", "tokenize"} & user_kwargs.keys()
         if bad:
-            raise RequestError(
+            raise ClientError(
                 f"Found unexpected chat template kwargs from request: {sorted(bad)}",
                 "chat_template_kwargs",
             )
@@ -627,7 +299,7 @@ class PromptTokenizer:
         if any(m["role"] == "developer" for m in conversation) and not (
             '"developer"' in template or "'developer'" in template
         ):
-            conversation = _developer_to_system(conversation)
+            conversation = developer_to_system(conversation)
         template_kwargs = {**self._special_tokens_map, **kwargs}
         try:
             # Annotated as str, but it returns (rendered chats, generation indices).
@@ -641,7 +313,7 @@ class PromptTokenizer:
                 **template_kwargs,
             )
         except Exception as exc:  # a template rejects bad input by raising; vLLM -> 400
-            raise RequestError(f"chat template rejected the request: {exc}", "messages") from exc
+            raise ClientError(f"chat template rejected the request: {exc}", "messages") from exc
         return str(result[0][0])
 
     def chat_tokens(self, body: dict[str, Any]) -> list[int]:
@@ -658,7 +330,7 @@ class PromptTokenizer:
     def completion_prompts(self, body: dict[str, Any]) -> list[list[int]]:
         """Token ids of every prompt in a completions body (vLLM accepts batches)."""
         if not isinstance(body, dict):
-            raise RequestError("request body must be a JSON object")
+            raise ClientError("request body must be a JSON object")
         prompt = body.get("prompt")
         add_special = _flag(body, "add_special_tokens", True)
         prompts: list[Any]
@@ -667,7 +339,7 @@ class PromptTokenizer:
         elif isinstance(prompt, list) and prompt:
             prompts = prompt
         else:
-            raise RequestError(
+            raise ClientError(
                 "prompt must be a string, a list of token ids, or a non-empty list of those; "
                 f"got {json.dumps(prompt)[:80]}",
                 "prompt",
@@ -680,7 +352,7 @@ class PromptTokenizer:
             else:
                 token_ids = _token_ids(item, where)
                 if token_ids is None:
-                    raise RequestError(
+                    raise ClientError(
                         f"{where} must be a string or a non-empty list of integer token ids, "
                         f"got {json.dumps(item)[:80]}",
                         "prompt",
@@ -708,7 +380,7 @@ def endpoint_of(body: Any) -> Endpoint:
         return "chat"
     if isinstance(body, dict) and "prompt" in body:
         return "completions"
-    raise RequestError("request body needs either 'messages' (chat) or 'prompt' (completions)")
+    raise ClientError("request body needs either 'messages' (chat) or 'prompt' (completions)")
 
 
 Decode = Callable[[Sequence[int]], str]

@@ -358,6 +358,16 @@ def test_dns_replica_is_named_by_its_target() -> None:
     (replica,) = config.replicas
     assert replica.name == "vllm.ns.svc.cluster.local:8000" and replica.url is None
     assert replica.dns_refresh_s == 5.0
+    # The fleet re-resolves as often as the most eager DNS replica asks.
+    assert config.health.dns_interval_s == 5.0
+    assert load_config(None, {}, ["replicas[0].url=http://a:1"]).health.dns_interval_s == 10.0
+
+
+def test_proxy_retry_floor_and_backoff_are_settings() -> None:
+    config = load_config(None, {}, ["replicas[0].url=http://a:1", "proxy.min_retry_budget=0",
+                                    "proxy.backoff_base_s=0.05", "proxy.backoff_max_s=1"])
+    assert (config.proxy.min_retry_budget, config.proxy.backoff_base_s,
+            config.proxy.backoff_max_s) == (0, 0.05, 1.0)
 
 
 def test_flags_map_onto_dotted_overrides() -> None:

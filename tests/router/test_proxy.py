@@ -14,13 +14,12 @@ from aiohttp import web
 
 from replica.fleet import free_port
 from router.app import build_app, running_gateway
-from router.config import build_config
+from router.config import HealthConfig, ProxyConfig, build_config
 from router.hashing import HashConfig
 from router.metrics import GatewayMetrics
-from router.proxy import Forwarder, ProxySettings, RetryBudget, UpstreamRequest
+from router.proxy import Forwarder, RetryBudget, UpstreamRequest
 from router.replicas import (
     Fleet,
-    HealthSettings,
     Replica,
     ReplicaSource,
     parse_prometheus_gauges,
@@ -174,14 +173,14 @@ async def make_harness() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
         cleanups.append(session.close)
         sources = [ReplicaSource(name=u.split("//")[1], url=u, models=("m",), hash_config=HashConfig())
                    for u in urls]
-        fleet = Fleet(sources, HealthSettings(eject_after_failures=2), session)
+        fleet = Fleet(sources, HealthConfig(eject_after_failures=2), session)
         await fleet.refresh_discovery()
         for r in fleet.all():
             r.healthy = True  # the dead one too: only the proxy may find out
         metrics = GatewayMetrics()
         defaults: dict[str, Any] = {"connect_timeout_s": 1.0, "first_token_timeout_s": 0.5,
                                     "idle_timeout_s": 2.0, "backoff_base_s": 0.001}
-        forwarder = Forwarder(session, fleet, ProxySettings(**{**defaults, **settings}), metrics)
+        forwarder = Forwarder(session, fleet, ProxyConfig(**{**defaults, **settings}), metrics)
         outcomes: list[Any] = []
 
         async def handle(request: web.Request) -> web.StreamResponse:
@@ -360,7 +359,7 @@ async def test_dns_source_finds_every_address_and_health_checks_them() -> None:
             source = ReplicaSource(name="svc", dns=f"localhost:{up.port}", models=("m",),
                                    hash_config=HashConfig(),
                                    kv_events="tcp://{host}:5557")
-            fleet = Fleet([source], HealthSettings(timeout_s=1.0), session)
+            fleet = Fleet([source], HealthConfig(timeout_s=1.0), session)
             added: list[str] = []
             fleet.listeners.added.append(lambda r: added.append(r.replica_id))
             await fleet.refresh_discovery()

@@ -2,28 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import time
 from typing import Any
 
-import pytest
-
+from router.config import LimitsConfig, TenantsConfig
 from router.hashing import HashConfig, chain_hashes, event_key
 from router.index import MemoryIndex, RedisIndex
 from router.policy.pipeline import build_policy
 from router.policy.types import PolicyConfig
 from router.replicas import Replica, ReplicaSource
-from router.routing import (
-    ChainCache,
-    ClientError,
-    RoutingPipeline,
-    parse_body,
-    predicted_cached_tokens,
-    prepare_prompt,
-    upstream_body,
-)
+from router.request import ParsedRequest, parse_request, upstream_body
+from router.routing import ChainCache, RoutingPipeline, predicted_cached_tokens, prepare_prompt
+from router.tenants import TenantRegistry
 
 CONFIG = HashConfig(block_size=16)
 
@@ -47,23 +41,20 @@ def completion(tokens: list[int], **extra: Any) -> bytes:
     return json.dumps({"model": "m", "prompt": tokens, **extra}).encode()
 
 
-@pytest.mark.parametrize(("raw", "problem"), [
-    (b"\xff\xfe{}", "UTF-8"),
-    (b"{not json", "not valid JSON"),
-    (b"[1, 2]", "JSON object"),
-    (b'{"prompt": [1]}', "model"),
-    (b'{"model": "m", "stream": "yes"}', "stream"),
-])
-def test_parse_rejects_malformed_bodies(raw: bytes, problem: str) -> None:
-    with pytest.raises(ClientError) as err:
-        parse_body(raw, "completions")
-    assert err.value.status == 400
-    assert problem in err.value.message
+REGISTRY = TenantRegistry.from_config(TenantsConfig(allow_anonymous=True))
+ANONYMOUS = REGISTRY.identify(None)
+
+
+def parse_body(raw: bytes, endpoint: str) -> ParsedRequest:
+    """The request edge as the gateway runs it, for an anonymous client."""
+    return parse_request(raw, endpoint, served_models=(), limits=LimitsConfig(),
+                         tenant=ANONYMOUS, registry=REGISTRY)
 
 
 def test_upstream_body_injects_salt_and_usage_without_touching_the_original() -> None:
-    parsed = parse_body(completion([1, 2], stream=True), "completions")
-    body, strip = upstream_body(parsed, "salt-a", want_token_ids=True)
+    parsed = dataclasses.replace(parse_body(completion([1, 2], stream=True), "completions"),
+                                 cache_salt="salt-a")
+    body, strip = upstream_body(parsed, want_token_ids=True)
     assert body["cache_salt"] == "salt-a"
     assert body["stream_options"] == {"include_usage": True}
     assert body["return_token_ids"] is True and strip
@@ -72,7 +63,7 @@ def test_upstream_body_injects_salt_and_usage_without_touching_the_original() ->
     asked = parse_body(completion([1], stream=True, return_token_ids=True,
                                   stream_options={"include_usage": True}), "completions")
     assert asked.client_wants_usage
-    assert upstream_body(asked, None, want_token_ids=True)[1] is False
+    assert upstream_body(asked, want_token_ids=True)[1] is False
 
 
 def test_chain_cache_matches_vllm_keys_and_hashes_only_new_blocks() -> None:

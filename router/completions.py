@@ -1,0 +1,203 @@
+"""POST /v1/chat/completions and /v1/completions: parse -> route -> admit -> forward -> record."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from router.admission import Overloaded
+from router.event_watch import expect_events
+from router.gateway import (
+    GATEWAY,
+    REQUEST_ID,
+    Gateway,
+    ignore_errors,
+    note_index_state,
+    served_models,
+    tenant_of,
+)
+from router.policy.pipeline import NoReplicasError
+from router.proxy import UpstreamRequest, json_error, remote_tokenize
+from router.recording import record_route
+from router.replicas import Replica
+from router.request import ENDPOINTS, ClientError, ParsedRequest, parse_request, upstream_body
+from router.routing import KnownTokens, Route, token_id_prompt
+
+log = logging.getLogger(__name__)
+
+_FORWARDED_HEADERS = ("traceparent", "tracestate", "baggage")
+
+
+_OFFLOAD_BODY_BYTES = 64 * 1024
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The body, refusing more than `limit` bytes without reading them all."""
+    if request.content_length is not None and request.content_length > limit:
+        raise ClientError(f"request body exceeds {limit} bytes", status=413)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_chunked(64 * 1024):
+        size += len(chunk)
+        if size > limit:
+            raise ClientError(f"request body exceeds {limit} bytes", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def handle_completion(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions and /v1/completions: route, forward, record."""
+    gw = request.app[GATEWAY]
+    assert gw.fleet is not None and gw.pipeline is not None and gw.forwarder is not None
+    arrived = time.perf_counter()
+    tenant = tenant_of(gw, request)
+    raw = await _read_body(request, gw.config.proxy.max_body_bytes)
+    check = functools.partial(parse_request, raw, ENDPOINTS[request.path],
+                              served_models=served_models(gw), limits=gw.config.limits,
+                              tenant=tenant, registry=gw.tenants)
+    if len(raw) > _OFFLOAD_BODY_BYTES:
+        # Decoding and checking a long prompt costs ~1 us per token (30 ms at 32k):
+        # too long to hold the event loop, which serves every other request meanwhile.
+        parsed = await asyncio.get_running_loop().run_in_executor(gw.executor, check)
+    else:
+        parsed = check()
+    served = gw.fleet.for_model(parsed.model)
+    if not served:
+        raise ClientError(f"The model '{parsed.model}' does not exist", "model", status=404)
+    session_key = request.headers.get("x-session-id") or _str_or_none(parsed.body.get("user"))
+    known: KnownTokens | None = None
+    if gw.config.proxy.tokenize_mode == "remote" and token_id_prompt(parsed.body) is None:
+        known = await _remote_tokens(gw, parsed, served)
+    try:
+        route = await gw.pipeline.route(parsed, served, gw.fleet.now(), tenant.tenant_id,
+                                        parsed.cache_salt,
+                                        session_key, offload=len(raw) > _OFFLOAD_BODY_BYTES,
+                                        tokenizer=known)
+    except NoReplicasError:
+        return json_error(503, "no replica serves this model", "service_unavailable")
+    _check_context_length(gw, parsed, route.prompt.num_tokens)
+    decision = route.decision
+    if route.lookup.fallback is not None:
+        gw.metrics.record_fallback(route.lookup.fallback)
+        note_index_state(gw, "down" if route.lookup.fallback == "index_down" else "slow")
+    elif route.prompt.keys:
+        note_index_state(gw, "ok")
+    if route.lookup.seconds:
+        gw.metrics.record_index_lookup(gw.index_backend, route.lookup.seconds,
+                                       ok=route.lookup.fallback is None)
+    gw.metrics.record_tokenize(route.prompt.seconds)
+    if not route.candidates:
+        return json_error(503, "no replica serves this model", "service_unavailable")
+    if route.prompt.tokens:
+        finding = gw.hygiene.observe(tenant.tenant_id, route.prompt.tokens)
+        if finding is not None:
+            gw.metrics.record_hygiene(["prefix_divergence"])
+            log.warning("prompt hygiene: %s", finding.describe())
+    assert gw.admission is not None
+    try:
+        slot = await gw.admission.acquire([r.replica_id for r in route.candidates])
+    except Overloaded as exc:
+        gw.metrics.record_overloaded(tenant.tenant_id)
+        return json_error(429, str(exc), "rate_limit_error",
+                          headers={"Retry-After": exc.retry_after_header})
+    async with slot:  # released when the response is done, however it ends
+        # The admitted replica goes first; the rest keep the policy's order for failover.
+        candidates = sorted(route.candidates, key=lambda r: r.replica_id != slot.replica_id)
+        chosen = candidates[0]
+        gw.metrics.record_routed(chosen.replica_id, decision.policy, route.prompt.num_tokens,
+                                 route.predicted_for(chosen.replica_id), route.decision_seconds)
+        return await _forward(gw, request, route, candidates, arrived, len(raw))
+
+
+def _check_context_length(gw: Gateway, parsed: ParsedRequest, prompt_tokens: int) -> None:
+    """Refuse a prompt that cannot fit the model (vLLM's rule and message), before any
+    replica spends a prefill on finding out; only where the gateway knows the limit."""
+    tokenizer = gw.tokenizers.get(parsed.model)
+    limit = tokenizer.max_model_len if tokenizer is not None else 0
+    if not limit or not prompt_tokens:
+        return
+    wanted = prompt_tokens + (parsed.max_tokens or 0)
+    if prompt_tokens >= limit or wanted > limit:
+        raise ClientError(
+            f"This model's maximum context length is {limit} tokens. However, you "
+            f"requested {wanted} tokens ({prompt_tokens} in the prompt, "
+            f"{parsed.max_tokens or 0} in the completion). Please reduce the length of the "
+            "prompt or completion.", param="messages" if "messages" in parsed.body else "prompt")
+
+
+async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: list[Replica],
+                   arrived: float, body_bytes: int) -> web.StreamResponse:
+    assert gw.forwarder is not None and gw.fleet is not None
+    parsed = route.parsed
+    want_ids = any(r.mode == "record" for r in candidates)
+    body, strip = upstream_body(parsed, want_token_ids=want_ids)
+    headers = {"Content-Type": "application/json", "x-request-id": REQUEST_ID.get()}
+    for name in _FORWARDED_HEADERS:
+        if name in request.headers:
+            headers[name] = request.headers[name]
+    up = UpstreamRequest(path=request.path, body=body, headers=headers, stream=parsed.stream,
+                         client_wants_usage=parsed.client_wants_usage, strip_token_ids=strip,
+                         max_tokens=parsed.max_tokens,
+                         predicted_work=route.decision.predicted_work)
+    if body_bytes > _OFFLOAD_BODY_BYTES:
+        up.payload = await asyncio.get_running_loop().run_in_executor(gw.executor, _dump, body)
+    expose = gw.config.proxy.expose_routing_headers
+
+    def response_headers(replica: Replica) -> dict[str, str]:
+        out = {"x-request-id": REQUEST_ID.get()}
+        if expose:
+            out["x-cacheroute-replica"] = replica.replica_id
+            out["x-cacheroute-predicted-cached-tokens"] = str(route.predicted_for(replica.replica_id))
+        return out
+
+    sent_at = time.time()  # the KV-event streams' clock
+    response, outcome = await gw.forwarder.forward(request, up, candidates, response_headers)
+    if outcome.first_byte_at is not None:
+        gw.metrics.record_first_byte(outcome.first_byte_at - arrived)
+    pending = gw.pipeline.pending if gw.pipeline is not None else None
+    if pending is not None and route.pending_handle is not None and (
+            outcome.status != 200 or outcome.replica_id != route.decision.replica_id):
+        pending.drop(route.pending_handle)  # the chosen replica never cached it
+    replica = gw.fleet.get(outcome.replica_id) if outcome.replica_id else None
+    if replica is not None and outcome.status == 200:
+        expect_events(gw, replica, sent_at, outcome.prompt_tokens, outcome.cached_tokens)
+        # A healthy index records within the lookup deadline, so the next request of
+        # the conversation sees it; a slow or black-holed one must not hold the answer
+        # (a non-streamed body goes out only when this handler returns) any longer.
+        task = gw.spawn(ignore_errors(record_route(gw, route, replica, outcome.prompt_tokens,
+                                               outcome.cached_tokens, outcome.output_token_ids)),
+                        "record")
+        await asyncio.wait([task], timeout=gw.config.index.deadline_ms / 1000.0)
+    return response
+
+
+async def _remote_tokens(gw: Gateway, parsed: ParsedRequest,
+                         served: list[Replica]) -> KnownTokens | None:
+    """Ask an available replica of the model for the prompt's ids (tokenize_mode remote)."""
+    assert gw.session is not None and gw.fleet is not None
+    now = gw.fleet.now()
+    available = [r for r in served if r.available(now)]
+    if not available:
+        return None
+    # The least loaded: /tokenize is cheap, but a busy replica answers it late.
+    replica = min(available, key=lambda r: sum(r.outstanding()))
+    tokens = await remote_tokenize(gw.session, replica, parsed.body,
+                                   gw.config.proxy.connect_timeout_s + 1.0)
+    if tokens is None:
+        gw.metrics.record_fallback("remote_tokenize")
+        return None
+    return KnownTokens(tuple(tokens))
+
+
+def _dump(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _str_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None

@@ -1,0 +1,45 @@
+"""Recording what a forwarded request did: predicted vs actual cached tokens, and for
+replicas without KV events, the blocks they now hold (written to the index)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from router.gateway import INDEX_OP_TIMEOUT_S, Gateway
+from router.index import IndexUnavailable
+from router.replicas import Replica
+from router.routing import Route, completion_keys
+
+log = logging.getLogger(__name__)
+
+async def record_route(gw: Gateway, route: Route, replica: Replica, prompt_tokens: int | None,
+                  cached_tokens: int | None, output_token_ids: list[int] | None) -> None:
+    """Predicted vs actual cached tokens, and (replicas without events) what it now holds."""
+    predicted = route.predicted_for(replica.replica_id)
+    if cached_tokens is not None:
+        gw.metrics.record_actual(replica.replica_id, route.decision.policy,
+                                 prompt_tokens or route.prompt.num_tokens, cached_tokens, predicted)
+        assert gw.fleet is not None
+        gw.fleet.record_prediction(replica, predicted, cached_tokens)
+    if replica.mode != "record" or route.prompt.tokens is None:
+        return
+    assert gw.index is not None and gw.pipeline is not None
+    config = replica.target.hash_config
+    keys: list[int] | tuple[int, ...] = route.prompt.keys.get(config, ())
+    if output_token_ids:
+        loop = asyncio.get_running_loop()
+        keys = await loop.run_in_executor(
+            gw.executor, completion_keys, gw.pipeline.chains, config, route.prompt.tokens,
+            output_token_ids, route.cache_salt)
+    if not keys:
+        return
+    try:
+        await asyncio.wait_for(
+            gw.index.record(route.parsed.model, replica.replica_id, keys,
+                            gw.config.index.record_ttl_s,
+                            capacity_blocks=gw.config.index.record_capacity_blocks),
+            INDEX_OP_TIMEOUT_S)
+    except (TimeoutError, IndexUnavailable, OSError) as exc:
+        gw.metrics.record_index_error(gw.index_backend, "record")
+        log.warning("recording %d blocks for %s failed: %s", len(keys), replica.replica_id, exc)
