@@ -6,11 +6,10 @@ kv_events set; its name, first model and kv_replay). A feed's replica id must be
 the gateway uses for that replica, or lookups will never match it.
 
 A config replica given by `dns: HOST:PORT` stands for every address HOST resolves to:
-one stream per address, named "ADDRESS:PORT" as the gateway names DNS-discovered
-replicas (router.replicas), its events read from the kv_events endpoint with the host
-replaced by the address ("tcp://{host}:5557" or any "tcp://NAME:5557"). The name is
-re-resolved every dns_refresh_s; streams follow the set (a failed resolution keeps the
-last known set, as the gateway does).
+one stream per address, its id and endpoints derived by router.discovery exactly as the
+gateway derives them ("ADDRESS:PORT"; the kv_events host replaced by the address). The
+name is re-resolved every dns_refresh_s; streams follow the set (a failed resolution
+keeps the last known set, as the gateway does).
 
 Rekey (router/events.py): a config replica is indexed in one of three modes, from its
 `rekey` setting when the config has one, else from the command's --rekey (default never):
@@ -29,11 +28,19 @@ import contextlib
 import logging
 import os
 import signal
-import socket
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from router.discovery import (
+    DNS_TIMEOUT_S,
+    Discovery,
+    ReplicaSource,
+    ReplicaTarget,
+    Resolver,
+    resolve_addresses,
+    source_from_config,
+)
 from router.events import EventIndexer, RekeyMode, ReplicaFeed, StreamStats
 from router.hashing import HashConfig
 from router.index import PrefixIndex
@@ -44,59 +51,32 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REKEY_SETTINGS = ("never", "always", "auto")
-DNS_TIMEOUT_S = 2.0
-
-# (host, port) -> addresses; the indexer resolves with getaddrinfo, tests pass their own.
-Resolver = Callable[[str, int], Awaitable[list[str]]]
-
-
-def _url_host(address: str) -> str:
-    return f"[{address}]" if ":" in address else address
-
-
-def dns_replica_id(address: str, port: int) -> str:
-    """A DNS-discovered replica's id, as the gateway names it: "ADDRESS:PORT"."""
-    return f"{_url_host(address)}:{port}"
-
-
-def endpoint_for(template: str, address: str) -> str:
-    """A replica's ZMQ endpoint at one resolved address ("{host}" or the host replaced)."""
-    host = _url_host(address)
-    if "{host}" in template:
-        return template.replace("{host}", host)
-    scheme, sep, rest = template.partition("://")
-    _, colon, port = rest.rpartition(":")
-    if not sep or not colon or not port.isdigit():
-        raise ValueError(f"{template!r}: expected tcp://HOST:PORT to take the port from")
-    return f"{scheme}://{host}:{port}"
-
-
-async def resolve_addresses(host: str, port: int) -> list[str]:
-    """Every distinct address `host` resolves to, sorted (stable stream ids)."""
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({str(info[4][0]) for info in infos})
 
 
 @dataclass(frozen=True)
 class DnsReplicas:
     """A config replica given by DNS name: one feed per address it resolves to.
 
-    `feed` holds what every address shares (model, rekey); its endpoints are templates.
+    Ids and endpoints come from router.discovery, as the gateway's do.
     """
 
-    name: str
-    host: str
-    port: int  # the replicas' HTTP port: part of their ids
-    feed: ReplicaFeed
+    source: ReplicaSource
+    model: str
+    rekey: HashConfig | None
+    rekey_mode: RekeyMode
     refresh_s: float
 
     def feed_at(self, address: str) -> ReplicaFeed:
         """The feed of the replica at `address`."""
-        replay = self.feed.replay_endpoint
-        return replace(self.feed, replica_id=dns_replica_id(address, self.port),
-                       endpoint=endpoint_for(self.feed.endpoint, address),
-                       replay_endpoint=endpoint_for(replay, address) if replay else None)
+        return feed_for(self.source.target(address), self.model, self.rekey, self.rekey_mode)
+
+
+def feed_for(target: ReplicaTarget, model: str, rekey: HashConfig | None,
+             rekey_mode: RekeyMode) -> ReplicaFeed:
+    """The KV-event feed of one discovered replica."""
+    assert target.kv_events is not None, f"replica {target.replica_id} publishes no events"
+    return ReplicaFeed(target.replica_id, target.kv_events, model,
+                       replay_endpoint=target.kv_replay, rekey=rekey, rekey_mode=rekey_mode)
 
 
 class DnsFollower:
@@ -108,32 +88,25 @@ class DnsFollower:
         self._indexer = indexer
         self._static = list(static)
         self._sources = list(sources)
-        self._resolver = resolver
-        self._timeout_s = timeout_s
-        self._known: dict[str, list[str]] = {}
+        self._discovery = Discovery([s.source for s in sources], resolver=resolver,
+                                    timeout_s=timeout_s)
 
     @property
     def interval_s(self) -> float | None:
         """How often to re-resolve (the shortest dns_refresh_s), None without DNS replicas."""
         return min((s.refresh_s for s in self._sources), default=None)
 
-    async def refresh(self) -> list[ReplicaFeed]:
-        """Resolve every DNS replica and sync the indexer's streams; returns the feeds."""
+    async def feeds(self) -> list[ReplicaFeed]:
+        """The fixed feeds and one per address each DNS replica resolves to now."""
         feeds = list(self._static)
         for source in self._sources:
-            try:
-                addresses = await asyncio.wait_for(
-                    self._resolver(source.host, source.port), self._timeout_s)
-            except (OSError, TimeoutError) as exc:
-                # A DNS hiccup must not drop every stream (and clear their entries).
-                addresses = self._known.get(source.name, [])
-                log.warning("resolving %s failed (%s); keeping %d known addresses",
-                            source.host, exc, len(addresses))
-            if addresses != self._known.get(source.name):
-                log.info("replica %s: %s resolves to %s", source.name, source.host,
-                         ", ".join(addresses) or "nothing")
-            self._known[source.name] = addresses
+            addresses = await self._discovery.addresses(source.source)
             feeds.extend(source.feed_at(a) for a in addresses)
+        return feeds
+
+    async def refresh(self) -> list[ReplicaFeed]:
+        """Resolve every DNS replica and sync the indexer's streams; returns the feeds."""
+        feeds = await self.feeds()
         await self._indexer.sync(feeds)
         return feeds
 
@@ -200,15 +173,12 @@ def feeds_from_config(path: str, rekey_default: str = "never") -> ConfigFeeds:
         if not models:
             raise SystemExit(f"replica {replica.name}: no model to index its blocks under")
         rekey, mode = rekey_setting(replica, rekey_default)
-        feed = ReplicaFeed(replica.name, replica.kv_events, models[0],
-                           replay_endpoint=replica.kv_replay, rekey=rekey, rekey_mode=mode)
-        if replica.url is not None:
-            static.append(feed)
-            continue
-        assert replica.dns is not None
-        host, _, port = replica.dns.rpartition(":")
-        endpoint_for(replica.kv_events, "0.0.0.0")  # fail now, not at the first resolution
-        dns.append(DnsReplicas(replica.name, host, int(port), feed, replica.dns_refresh_s))
+        source = source_from_config(replica)
+        source.check()  # fail now, not at the first resolution
+        if source.url is not None:
+            static.append(feed_for(source.target(), models[0], rekey, mode))
+        else:
+            dns.append(DnsReplicas(source, models[0], rekey, mode, replica.dns_refresh_s))
     return ConfigFeeds(static, dns, config.index.backend, config.index.password)
 
 

@@ -1,10 +1,9 @@
 """The fleet: which replicas exist, whether they are fit to serve, and how loaded they are.
 
-Discovery: a replica entry is a static URL or a DNS name (host:port) that resolves to
-every address behind it (a Kubernetes headless Service answers with one A record per
-ready pod); names are re-resolved periodically and replicas appear and disappear with
-their addresses. A failed resolution keeps the last known set: a DNS hiccup must not
-empty the fleet.
+Discovery (router.discovery): a replica entry is a static URL or a DNS name (host:port)
+that stands for every address behind it; names are re-resolved periodically and
+replicas appear and disappear with their addresses. A failed resolution keeps the last
+known set: a DNS hiccup must not empty the fleet.
 
 Fitness has three inputs:
 - active health checks (GET /health with a deadline),
@@ -25,20 +24,23 @@ import contextlib
 import logging
 import random
 import re
-import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 import aiohttp
 
 from router.config import HealthConfig
+from router.discovery import (
+    Discovery,
+    ReplicaSource,
+    ReplicaTarget,
+    Resolver,
+    resolve_addresses,
+)
 from router.handshake import run_handshake
-from router.hashing import HashConfig
 from router.index import PrefixIndex
 from router.outstanding import OutstandingWork
-from router.policy.types import PrefillProfile
 
 # Probe token ids stay below this so any vocabulary, however small, accepts them.
 _PROBE_VOCAB = 1000
@@ -52,67 +54,6 @@ _VLLM_GAUGES = {
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
 }
-
-
-@dataclass(frozen=True)
-class ReplicaSource:
-    """One configured replica entry: a static URL or a DNS name standing for many.
-
-    A static replica's id is its configured name (by default the URL's host:port); a
-    DNS-discovered one's is "address:port". The indexer process names replicas the
-    same way, so ids written to a shared index by either agree.
-    """
-
-    name: str
-    models: tuple[str, ...]  # empty: every model the replica reports
-    hash_config: HashConfig
-    url: str | None = None
-    dns: str | None = None  # "host:port"; every address it resolves to is a replica
-    scheme: str = "http"
-    kv_events: str | None = None  # may contain "{host}", filled per resolved address
-    kv_replay: str | None = None
-    max_concurrency: int | None = None
-    prefill: PrefillProfile | None = None
-
-    def target(self, host: str | None = None, port: int | None = None) -> ReplicaTarget:
-        """The replica at one address of this source (the URL itself for a static one)."""
-        if host is None or port is None:
-            assert self.url is not None
-            base = self.url.rstrip("/")
-            host = urlsplit(base).hostname or ""
-            replica_id = self.name
-        else:
-            base = f"{self.scheme}://{_host_for_url(host)}:{port}"
-            replica_id = f"{_host_for_url(host)}:{port}"
-
-        def fill(template: str | None) -> str | None:
-            return template.replace("{host}", host) if template else None
-
-        return ReplicaTarget(
-            replica_id=replica_id, base_url=base, models=self.models,
-            hash_config=self.hash_config, kv_events=fill(self.kv_events),
-            kv_replay=fill(self.kv_replay), max_concurrency=self.max_concurrency,
-            source=self.name, prefill=self.prefill,
-        )
-
-
-def _host_for_url(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-@dataclass(frozen=True)
-class ReplicaTarget:
-    """One replica address and what it serves; its id is its base URL."""
-
-    replica_id: str
-    base_url: str
-    models: tuple[str, ...]
-    hash_config: HashConfig
-    kv_events: str | None
-    kv_replay: str | None
-    max_concurrency: int | None
-    source: str
-    prefill: PrefillProfile | None = None
 
 
 # The Fleet's health parameters are the config's health section itself: one definition
@@ -212,13 +153,6 @@ class Replica:
         }
 
 
-async def resolve_all(host: str, port: int) -> list[str]:
-    """Every distinct address a name resolves to, sorted (stable replica ids)."""
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({str(info[4][0]) for info in infos})
-
-
 def parse_prometheus_gauges(text: str, names: Iterable[str]) -> dict[str, float]:
     """Sum the samples of the named metrics in Prometheus text (labels ignored)."""
     wanted = set(names)
@@ -266,14 +200,14 @@ class Fleet:
         *,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        resolver: Resolver = resolve_addresses,
     ) -> None:
-        self.sources = list(sources)
+        self.discovery = Discovery(sources, resolver=resolver, timeout_s=health.timeout_s)
         self.health = health
         self._session = session
         self._clock = clock
         self._rng = rng or random.Random()
         self._replicas: dict[str, Replica] = {}
-        self._dns_members: dict[str, list[str]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.listeners = _Listeners()
 
@@ -316,7 +250,7 @@ class Fleet:
             asyncio.create_task(self._every(self.health.interval_s, self.check_health), name="health"),
             asyncio.create_task(self._every(self.health.scrape_interval_s, self.scrape), name="scrape"),
         ]
-        if any(s.dns for s in self.sources):
+        if self.discovery.has_dns:
             self._tasks.append(asyncio.create_task(
                 self._every(self.health.dns_interval_s, self.refresh_discovery), name="dns"))
 
@@ -341,25 +275,7 @@ class Fleet:
 
     async def refresh_discovery(self) -> None:
         """Resolve DNS sources and add/remove replicas to match."""
-        wanted: dict[str, ReplicaTarget] = {}
-        for source in self.sources:
-            if source.url:
-                t = source.target()
-                wanted[t.replica_id] = t
-                continue
-            assert source.dns is not None
-            host, _, port_text = source.dns.rpartition(":")
-            port = int(port_text)
-            try:
-                addresses = await asyncio.wait_for(resolve_all(host, port), self.health.timeout_s)
-            except (OSError, TimeoutError) as exc:
-                addresses = self._dns_members.get(source.dns, [])
-                log.warning("resolving %s failed (%s); keeping %d known addresses",
-                            source.dns, exc, len(addresses))
-            self._dns_members[source.dns] = addresses
-            for address in addresses:
-                t = source.target(address, port)
-                wanted[t.replica_id] = t
+        wanted = {t.replica_id: t for t in await self.discovery.targets()}
         for rid, target in wanted.items():
             if rid not in self._replicas:
                 replica = Replica(target=target)

@@ -8,23 +8,27 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 import zmq.asyncio
 from servers import REPO, RedisServer
 from test_events import KvPublisher, applied_up_to, eventually, removed, stored
 
+from router.app import replica_sources
 from router.cli.indexer import parse_replica
-from router.events import EventIndexer, ReplicaFeed
+from router.config import load_config
+from router.discovery import (
+    ReplicaSource,
+    dns_replica_id,
+    endpoint_at,
+    resolve_addresses,
+    url_host,
+)
+from router.events import EventIndexer
 from router.hashing import BlockChain, HashConfig
 from router.index import MemoryIndex, RedisIndex
-from router.indexer import (
-    DnsFollower,
-    DnsReplicas,
-    dns_replica_id,
-    endpoint_for,
-    feeds_from_config,
-)
-from router.replicas import ReplicaSource
+from router.indexer import DnsFollower, DnsReplicas, feeds_from_config
+from router.replicas import Fleet
 
 MODEL = "tiny"
 
@@ -150,16 +154,66 @@ def test_parse_replica_reads_every_option() -> None:
     assert parse_replica("r2=tcp://h:1").replay is None
 
 
-def test_dns_replicas_are_named_and_reached_as_the_gateway_names_them() -> None:
+def test_dns_replicas_are_named_and_reached_at_their_own_address() -> None:
     source = ReplicaSource(name="vllm", models=(MODEL,), hash_config=HashConfig(),
-                           dns="vllm.ns.svc:8000")
+                           dns="vllm.ns.svc:8000", kv_events="tcp://vllm.ns.svc:5557",
+                           kv_replay="tcp://{host}:5558")
     for address in ("10.0.0.5", "fd00::7"):
-        assert dns_replica_id(address, 8000) == source.target(address, 8000).replica_id
-    assert endpoint_for("tcp://{host}:5557", "10.0.0.5") == "tcp://10.0.0.5:5557"
-    assert endpoint_for("tcp://vllm.ns.svc:5557", "10.0.0.5") == "tcp://10.0.0.5:5557"
-    assert endpoint_for("tcp://vllm.ns.svc:5557", "fd00::7") == "tcp://[fd00::7]:5557"
-    with pytest.raises(ValueError, match="take the port"):
-        endpoint_for("ipc:///tmp/kv", "10.0.0.5")
+        assert dns_replica_id(address, 8000) == source.target(address).replica_id
+    v4, v6 = source.target("10.0.0.5"), source.target("fd00::7")
+    assert (v4.replica_id, v4.base_url, v4.kv_events, v4.kv_replay) == (
+        "10.0.0.5:8000", "http://10.0.0.5:8000", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")
+    assert (v6.replica_id, v6.base_url, v6.kv_events, v6.kv_replay) == (
+        "[fd00::7]:8000", "http://[fd00::7]:8000", "tcp://[fd00::7]:5557",
+        "tcp://[fd00::7]:5558")
+    assert endpoint_at("tcp://{host}:5557", "10.0.0.5") == "tcp://10.0.0.5:5557"
+    with pytest.raises(ValueError, match="take the replica's address"):
+        endpoint_at("ipc:///tmp/kv", "10.0.0.5")
+
+
+async def test_gateway_and_indexer_derive_the_same_replicas(tmp_path: Path) -> None:
+    """Static (IPv4 and IPv6 URLs), DNS over a real name and DNS with IPv4 + IPv6 answers:
+    the gateway's fleet and the indexer's feeds name and reach every replica alike."""
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        "index: memory\n"
+        "replicas:\n"
+        f"  - {{url: 'http://127.0.0.1:9001', name: a, models: [{MODEL}],\n"
+        "     kv_events: 'tcp://{host}:5557', kv_replay: 'tcp://127.0.0.1:5558'}\n"
+        f"  - {{url: 'http://[::1]:9002', name: b, models: [{MODEL}],\n"
+        "     kv_events: 'tcp://{host}:5557'}\n"
+        f"  - {{dns: 'vllm.ns.svc:8000', models: [{MODEL}],\n"
+        "     kv_events: 'tcp://vllm.ns.svc:5557', kv_replay: 'tcp://{host}:5558'}\n"
+        f"  - {{dns: 'localhost:8100', models: [{MODEL}], kv_events: 'tcp://localhost:5557'}}\n")
+
+    async def resolver(host: str, port: int) -> list[str]:
+        # A cluster name cannot resolve here; localhost goes through the real resolver.
+        if host == "vllm.ns.svc":
+            return ["10.0.0.5", "fd00::7"]
+        return await resolve_addresses(host, port)
+
+    gateway_config = load_config(str(config), {}, [])
+    async with aiohttp.ClientSession() as session:
+        fleet = Fleet(replica_sources(gateway_config), gateway_config.health, session,
+                      resolver=resolver)
+        await fleet.refresh_discovery()
+    gateway = sorted((r.replica_id, r.target.kv_events, r.target.kv_replay)
+                     for r in fleet.all())
+
+    read = feeds_from_config(str(config))
+    follower = DnsFollower(EventIndexer(MemoryIndex()), read.static, read.dns, resolver=resolver)
+    indexer = sorted((f.replica_id, f.endpoint, f.replay_endpoint) for f in await follower.feeds())
+
+    assert indexer == gateway
+    localhost = await resolve_addresses("localhost", 8100)
+    assert localhost  # the real name resolved
+    assert gateway == sorted([
+        ("a", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"),
+        ("b", "tcp://[::1]:5557", None),
+        ("10.0.0.5:8000", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558"),
+        ("[fd00::7]:8000", "tcp://[fd00::7]:5557", "tcp://[fd00::7]:5558"),
+        *((dns_replica_id(a, 8100), f"tcp://{url_host(a)}:5557", None) for a in localhost),
+    ])
 
 
 def test_config_replicas_get_their_rekey_mode_and_dns_sources(tmp_path: Path) -> None:
@@ -177,7 +231,7 @@ def test_config_replicas_get_their_rekey_mode_and_dns_sources(tmp_path: Path) ->
     (r1,) = auto.static
     assert (r1.rekey, r1.rekey_mode) == (HashConfig("sha256", 4, "0"), "auto")
     (dns,) = auto.dns
-    assert (dns.host, dns.port, dns.refresh_s) == ("vllm.ns.svc", 8000, 3.0)
+    assert (dns.source.dns, dns.refresh_s) == ("vllm.ns.svc:8000", 3.0)
     feed = dns.feed_at("10.1.2.3")
     assert (feed.replica_id, feed.endpoint, feed.replay_endpoint, feed.rekey_mode) == (
         "10.1.2.3:8000", "tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558", "auto")
@@ -200,12 +254,13 @@ async def test_dns_follower_tracks_the_resolved_set(publisher: KvPublisher) -> N
         return answer
 
     port = publisher.endpoint.rsplit(":", 1)[1]
-    template = ReplicaFeed("vllm", f"tcp://vllm.ns.svc:{port}", MODEL,
-                           replay_endpoint=publisher.replay_endpoint.replace("127.0.0.1",
-                                                                             "{host}"))
+    source = ReplicaSource(
+        name="vllm", models=(MODEL,), hash_config=HashConfig(), dns="vllm.ns.svc:8000",
+        kv_events=f"tcp://vllm.ns.svc:{port}",
+        kv_replay=publisher.replay_endpoint.replace("127.0.0.1", "{host}"))
     index = MemoryIndex()
     indexer = EventIndexer(index)
-    follower = DnsFollower(indexer, [], [DnsReplicas("vllm", "vllm.ns.svc", 8000, template, 5)],
+    follower = DnsFollower(indexer, [], [DnsReplicas(source, MODEL, None, "always", 5)],
                            resolver=resolver)
     try:
         assert follower.interval_s == 5
