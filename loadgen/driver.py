@@ -68,6 +68,10 @@ class RequestRecord:
     output_token_ids: list[int] = field(default_factory=list)
     output_text: str = ""
     cache_salt: str | None = None
+    # Whether prompt_token_ids are the server's own (return_token_ids) rather than the
+    # workload's; a chat request's messages and tools, to tokenize when they are not.
+    prompt_from_server: bool = False
+    chat_request: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -90,7 +94,8 @@ class RequestRecord:
     def summary(self) -> dict[str, Any]:
         """The record as results.json keeps it (no token ids)."""
         d = asdict(self)
-        for k in ("prompt_token_ids", "output_token_ids", "output_text", "chunk_times_s"):
+        for k in ("prompt_token_ids", "output_token_ids", "output_text", "chunk_times_s",
+                  "chat_request"):
             d.pop(k)
         d["ttft_s"], d["e2e_s"] = self.ttft_s, self.e2e_s
         itl = self.itl_s
@@ -104,7 +109,9 @@ class DriverConfig:
 
     base_url: str
     model: str
-    api: Literal["completions", "chat"] = "completions"
+    # tokens: token ids to /v1/completions; chat: the workload's chat messages (and tools)
+    # to /v1/chat/completions.
+    api: Literal["tokens", "chat"] = "tokens"
     mode: Literal["open", "closed"] = "closed"
     concurrency: int = 4
     rate: float | None = None
@@ -257,6 +264,8 @@ class Driver:
             if req.messages is None:
                 raise ValueError(f"workload gave no chat messages for {req.request_id}")
             body["messages"] = [{"role": m.role, "content": m.content} for m in req.messages]
+            if req.tools:
+                body["tools"] = list(req.tools)
             return "/v1/chat/completions", body
         body["prompt"] = list(req.prompt_token_ids)
         return "/v1/completions", body
@@ -293,6 +302,8 @@ class Driver:
     async def _stream(self, session: aiohttp.ClientSession, req: TimedRequest,
                       rec: RequestRecord) -> None:
         path, body = self._body(req)
+        if "messages" in body:
+            rec.chat_request = {k: body[k] for k in ("messages", "tools") if k in body}
         # The conversation is the session: session_affinity keys on x-session-id.
         headers = {"x-request-id": req.request_id, "x-session-id": req.conversation_id}
         if self.config.api_key:
@@ -350,6 +361,7 @@ class Driver:
             carried = carried or bool(ids) or bool(text)
         if prompt_ids:
             rec.prompt_token_ids = tuple(int(t) for t in prompt_ids)
+            rec.prompt_from_server = True
         if carried:
             if rec.first_token_s is None:
                 rec.first_token_s = now

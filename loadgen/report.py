@@ -23,6 +23,9 @@ import numpy as np
 
 from loadgen.driver import RequestRecord, RunResult
 from loadgen.oracle import OracleBounds
+from loadgen.rounds import aggregate, ratios_against_peers
+
+OURS = "cache_aware"
 
 
 @dataclass
@@ -37,6 +40,8 @@ class PolicyRun:
     # Requests each replica served, counted at the replicas (their TTFT histograms); used
     # when the router names no replica per response (vllm-router sets no header).
     replica_counts: dict[str, int] | None = None
+    # Which round of a repeated comparison (0-based); every policy runs once per round.
+    round: int = 0
 
     def requests_per_replica(self) -> dict[str, int]:
         """Requests per replica: from response headers, else from the replicas' counts."""
@@ -75,6 +80,7 @@ def summarize(run: PolicyRun, time_scale: float = 1.0) -> dict[str, Any]:
     mean = sum(counts) / len(counts) if counts and sum(counts) else 0.0
     row: dict[str, Any] = {
         "policy": run.policy,
+        "round": run.round,
         "requests": len(run.result.records),
         "completed": len(done),
         "errors": len(run.result.records) - len(done),
@@ -133,6 +139,46 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
             f"| {_num(r['imbalance_max_over_mean'])} | {r['errors']} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def is_peer(policy: str) -> bool:
+    """Peer routers' policies are named PEER:POLICY (vllm-router:kv_aware, smg:cache_aware)."""
+    return ":" in policy
+
+
+def _cell(figure: dict[str, float] | None, fmt: Any) -> str:
+    if not figure:
+        return "-"
+    return f"{fmt(figure['median'])} ({fmt(figure['min'])}-{fmt(figure['max'])})"
+
+
+def rounds_table(aggregated: Sequence[dict[str, Any]]) -> str:
+    """Per policy over rounds: each figure's median and, in brackets, its min-max."""
+    head = ("| policy | rounds | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | hit rate "
+            "| imbalance max/mean | errors |")
+    lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
+    for a in aggregated:
+        lines.append(
+            f"| {a['policy']} | {a['rounds']} | {_cell(a['ttft_p50_s'], _ms)} "
+            f"| {_cell(a['ttft_p90_s'], _ms)} | {_cell(a['ttft_p99_s'], _ms)} "
+            f"| {_cell(a['hit_rate'], _pct_str)} "
+            f"| {_cell(a['imbalance_max_over_mean'], _num)} "
+            f"| {_cell(a['errors'], lambda v: f'{v:g}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def ratio_lines(ratios: dict[str, dict[str, Any]], ours: str = OURS) -> list[str]:
+    """One line per figure: our median over the best peer policy's median."""
+    names = {"ttft_p50_s": "TTFT p50", "ttft_p99_s": "TTFT p99", "hit_rate": "hit rate"}
+    out = []
+    for figure, r in ratios.items():
+        fmt = _pct_str if figure == "hit_rate" else _ms
+        unit = "" if figure == "hit_rate" else " ms"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        out.append(f"- {ours} {names[figure]}: {ratio} of the best peer's "
+                   f"({fmt(r['ours'])}{unit} vs {fmt(r['best_peer_value'])}{unit}, "
+                   f"{r['best_peer']}; medians over rounds)")
+    return out
 
 
 def _plots(runs: Sequence[PolicyRun], out: Path, time_scale: float) -> list[Path]:
@@ -217,29 +263,51 @@ def _over_time(records: Sequence[RequestRecord], time_scale: float,
 
 def write_report(out: Path, runs: Sequence[PolicyRun], meta: dict[str, Any],
                  time_scale: float = 1.0, plots: bool = True) -> ReportFiles:
-    """Write results.json, report.md and the plots into `out`; returns their paths."""
+    """Write results.json, report.md and the plots into `out`; returns their paths.
+
+    With several rounds (runs of the same policy with different `round`), the report
+    leads with each policy's median and spread over rounds and our cache_aware's ratios
+    against the best peer policy; the per-run table follows, and the plots show round 0.
+    """
     out.mkdir(parents=True, exist_ok=True)
     rows = [summarize(run, time_scale) for run in runs]
-    results = {
+    repeated = len({run.round for run in runs}) > 1
+    aggregated = aggregate(rows)
+    ratios = ratios_against_peers(aggregated, OURS, is_peer)
+    results: dict[str, Any] = {
         "meta": {**meta, "time_scale": time_scale},
         "policies": rows,
-        "requests": {run.policy: [r.summary() for r in run.result.records] for run in runs},
+        "requests": {_run_key(run): [r.summary() for r in run.result.records] for run in runs},
     }
+    if repeated:
+        results["over_rounds"] = aggregated
+    if ratios:
+        results["ratios_against_best_peer"] = ratios
     results_json = out / "results.json"
     results_json.write_text(json.dumps(results, indent=1) + "\n")
-    table = markdown_table(rows)
     lines = ["# Routing policy comparison", ""]
     for key, value in meta.items():
         lines.append(f"- {key}: {value}")
     if time_scale != 1.0:
         lines.append(f"- times: the sims ran {time_scale:g}x faster than real time; every time "
                      f"below is the client's measurement x {time_scale:g} (simulated seconds)")
+    if repeated:
+        lines += ["", "## Over rounds: median (min-max)", "", rounds_table(aggregated)]
+    if ratios:
+        lines += ["", *ratio_lines(ratios), ""]
+    if repeated:
+        lines += ["## Every run", ""]
+        table = markdown_table([{**row, "policy": f"{row['policy']} (round {row['round']})"}
+                                for row in rows])
+    else:
+        table = markdown_table(rows)
     lines += ["", table]
     lines.append("hit rate: tokens served from cache / prompt tokens, from the servers' usage "
                  "(cached_tokens). oracle pooled: one LRU cache of the fleet's total size; "
                  "oracle unlimited: a cache that never evicts; both replay the same stream "
                  "one request at a time (oracle.py). imbalance: max/mean requests per replica.")
-    notes = [f"- {row['policy']}: {row['note']}" for row in rows if row["note"]]
+    notes = list(dict.fromkeys(
+        f"- {row['policy']}: {row['note']}" for row in rows if row["note"]))
     subs = [row for row in rows if row["answers_substituted"]]
     if subs:
         notes += [f"- {row['policy']}: {row['answers_substituted']} answers were not returned "
@@ -252,7 +320,12 @@ def write_report(out: Path, runs: Sequence[PolicyRun], meta: dict[str, Any],
         lines += ["", "Notes:", "", *notes]
     files = ReportFiles(results_json, out / "report.md")
     if plots:
-        files.plots = _plots(runs, out, time_scale)
+        files.plots = _plots([run for run in runs if run.round == 0], out, time_scale)
         lines += ["", *[f"![{p.stem}]({p.name})" for p in files.plots]]
     files.table_md.write_text("\n".join(lines) + "\n")
     return files
+
+
+def _run_key(run: PolicyRun) -> str:
+    """results.json's key for a run's requests: the policy, with its round after the first."""
+    return run.policy if run.round == 0 else f"{run.policy}@round{run.round}"

@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.compare import add_arguments, build_workload, gateway_config, run_comparison
+from loadgen.compare import add_arguments, parse_policies, run_comparison
+from loadgen.gateway_under_test import config_overrides, gateway_config
+from loadgen.harness import HarnessError
+from loadgen.target_fleet import TargetFleet, TargetReplica
+from loadgen.workload_flags import build_workload
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -57,10 +61,9 @@ def test_compare_two_policies_end_to_end(tmp_path: Path, tiny_model_dir: Path) -
 
 
 def test_gateway_config_exposes_routing_and_names_replicas() -> None:
-    from loadgen.compare import Fleet, Replica
-
-    fleet = Fleet([Replica("sim-0", "http://127.0.0.1:1", "tcp://127.0.0.1:2", None)],
-                  block_size=32, blocks_per_replica=10, max_model_len=512, stop=lambda: None)
+    fleet = TargetFleet([TargetReplica("sim-0", "http://127.0.0.1:1", "tcp://127.0.0.1:2", None)],
+                        block_size=32, blocks_per_replica=10, max_model_len=512,
+                        stop=lambda: None)
     cfg = gateway_config("least_loaded", fleet, 9000, "memory", Path("/m"), 5,
                          {"base_s": 0.1, "per_token_s": 0.2, "per_token_context_s": 0.0})
     assert cfg["proxy"]["expose_routing_headers"] is True
@@ -71,30 +74,29 @@ def test_gateway_config_exposes_routing_and_names_replicas() -> None:
 
 
 def test_policy_set_overrides_the_gateway_policy() -> None:
-    from loadgen.compare import Fleet, HarnessError, Replica, policy_overrides
-
     args = _args("--out", "x", "--policy-set", "load_cost_s=0.25",
                  "--policy-set", "weights={prefix: 0.2}")
-    overrides = policy_overrides(args)
+    overrides = config_overrides(args)
     assert overrides == {"load_cost_s": 0.25, "weights": {"prefix": 0.2}}
-    fleet = Fleet([Replica("sim-0", "http://127.0.0.1:1", None, None)],
-                  block_size=16, blocks_per_replica=10, max_model_len=512, stop=lambda: None)
+    fleet = TargetFleet([TargetReplica("sim-0", "http://127.0.0.1:1", None, None)],
+                        block_size=16, blocks_per_replica=10, max_model_len=512,
+                        stop=lambda: None)
     cfg = gateway_config("cache_aware", fleet, 9000, "memory", Path("/m"), 0,
                          {"base_s": 0.1, "per_token_s": 0.2, "per_token_context_s": 0.0},
                          overrides)
     assert cfg["policy"]["name"] == "cache_aware" and cfg["policy"]["load_cost_s"] == 0.25
-    assert policy_overrides(_args("--out", "x")) == {}
+    assert config_overrides(_args("--out", "x")) == {}
     for bad in ("load_cost_s", "name=random"):
         with pytest.raises(HarnessError):
-            policy_overrides(_args("--out", "x", "--policy-set", bad))
-    index = policy_overrides(_args("--out", "x", "--index-set", "deadline_ms=100"), "index_set")
+            config_overrides(_args("--out", "x", "--policy-set", bad))
+    index = config_overrides(_args("--out", "x", "--index-set", "deadline_ms=100"), "index_set")
     assert index == {"deadline_ms": 100}
     cfg = gateway_config("cache_aware", fleet, 9000, "memory", Path("/m"), 0,
                          {"base_s": 0.1, "per_token_s": 0.2, "per_token_context_s": 0.0},
                          None, index)
     assert cfg["index"] == {"backend": "memory", "deadline_ms": 100}
     with pytest.raises(HarnessError):
-        policy_overrides(_args("--out", "x", "--index-set", "backend=redis"), "index_set")
+        config_overrides(_args("--out", "x", "--index-set", "backend=redis"), "index_set")
 
 
 def test_workload_flags_pick_per_workload_defaults() -> None:
@@ -114,7 +116,6 @@ def test_workload_flags_pick_per_workload_defaults() -> None:
 
 def test_demo_runs_the_agent_workload_under_three_policies() -> None:
     from loadgen import demo
-    from loadgen.compare import parse_policies
 
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)

@@ -8,7 +8,7 @@ import pytest
 
 from loadgen.driver import Driver, DriverConfig
 from loadgen.workloads import ChatWorkload, RandomWorkload
-from replica.fleet import SimFleet
+from replica.fleet import AsyncSimFleet, SimFleet
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +111,8 @@ async def test_deadline_bounds_the_run(slow_sim: SimFleet) -> None:
 async def test_chat_text_resends_the_servers_answer_text(tiny_model_dir) -> None:
     w = ChatWorkload(requests=2, conversations=1, shared_prefix_tokens=60, question_tokens=10,
                      answer_tokens=6, chat_text=True)
-    with SimFleet(1, block_size=16, num_blocks=512, kv_events=False,
-                  model_dir=tiny_model_dir, served_model_name="sim") as fleet:
+    async with AsyncSimFleet(1, block_size=16, num_blocks=512, kv_events=False,
+                             model_dir=tiny_model_dir, served_model_name="sim") as fleet:
         result = await Driver(DriverConfig(base_url=fleet.urls[0], model="sim", api="chat",
                                            concurrency=1, deadline_s=60)).run(w)
     first, second = result.records

@@ -1,0 +1,196 @@
+"""Our gateway in a comparison: its config, its process (and indexer), its cost profile.
+
+The gateway is configured as a user would configure it (`--gateway-profile`):
+
+- calibrated (the default): its prefill profile is what `python -m replica calibrate`
+  fits against one of the replicas, as docs/POLICY.md tells an operator to do. The fit
+  sees what a client sees (HTTP, tokenization, noise), not the sims' coefficients.
+- default: no prefill profile at all; the gateway's built-in one (the tiny model as
+  measured on a CPU), whatever the replicas are.
+- exact: the sims' own coefficients, a control no user has.
+
+The report names the choice and the profile the gateway ran with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from loadgen.harness import MODEL_NAME, REPO, HarnessError, LoggedProcess
+from loadgen.target_fleet import TargetFleet
+from replica.processes import free_port
+from replica.profiles import SimCostProfile, load_profile
+
+GATEWAY_PROFILES = ("calibrated", "default", "exact")
+DEFAULT_GATEWAY_PROFILE = "calibrated"
+# Prompt lengths calibrate measures: within the smallest max_model_len compare allows.
+CALIBRATE_LENGTHS = (64, 256, 512, 1024)
+
+
+@dataclass(frozen=True)
+class GatewayProfile:
+    """How our gateways predict prefill: which choice, and the config it gives them."""
+
+    choice: str
+    prefill: dict[str, float] | None  # the config's policy.prefill; None: built-in
+
+    def describe(self) -> str:
+        """For reports: the choice and the coefficients the gateway ran with."""
+        if self.prefill is None:
+            return f"{self.choice} (the gateway's built-in prefill profile)"
+        return f"{self.choice}: " + ", ".join(f"{k}={v:.3g}" for k, v in self.prefill.items())
+
+
+def gateway_prefill(profile: SimCostProfile) -> dict[str, float]:
+    """A sim cost profile as the gateway's `policy.prefill` config.
+
+    The gateway charges per_token_context_s x uncached x context; the sim charges
+    attention_s per (new, context) pair, new x (cached + (new + 1) / 2). Equal when most
+    of the prompt is cached (the case routing decides between); a cold prompt's attention
+    is over-estimated by up to 2x.
+    """
+    return {"base_s": profile.base_s, "per_token_s": profile.token_s,
+            "per_token_context_s": profile.attention_s}
+
+
+def calibrate(url: str, out: Path, max_model_len: int, time_scale: float = 1.0) -> SimCostProfile:
+    """Run `python -m replica calibrate` against one replica, as a user would.
+
+    With sims faster than real time the fit is in wall seconds; it is multiplied back
+    into simulated seconds, the unit of every other cost in the run.
+    """
+    lengths = [n for n in CALIBRATE_LENGTHS if n < max_model_len - 16]
+    proc = subprocess.run(
+        [sys.executable, "-m", "replica", "calibrate", "--url", url, "--model", MODEL_NAME,
+         "--lengths", ",".join(map(str, lengths)), "--repeats", "2", "--decode-tokens", "4",
+         "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    if proc.returncode != 0:
+        raise HarnessError(f"replica calibrate against {url} failed:\n{proc.stderr[-2000:]}")
+    fitted = load_profile(str(out))
+    return SimCostProfile(fitted.name, *(time_scale * v for v in (
+        fitted.base_s, fitted.token_s, fitted.attention_s, fitted.kv_read_s)))
+
+
+def choose_profile(args: argparse.Namespace, fleet: TargetFleet, log_dir: Path) -> GatewayProfile:
+    """The gateway profile `--gateway-profile` asks for (calibrating once if asked)."""
+    choice = args.gateway_profile
+    if choice == "default":
+        return GatewayProfile(choice, None)
+    if choice == "exact":
+        if args.replica_kind != "sim":
+            raise HarnessError("--gateway-profile exact needs sims (real vLLM has no "
+                               "profile to copy): use calibrated or default")
+        return GatewayProfile(choice, gateway_prefill(load_profile(args.prefill_profile)))
+    fitted = calibrate(fleet.replicas[0].url, log_dir / "calibrated.json", fleet.max_model_len,
+                       args.time_scale)
+    return GatewayProfile(choice, gateway_prefill(fitted))
+
+
+def gateway_config(policy: str, fleet: TargetFleet, port: int, index: str, model_dir: Path,
+                   seed: int, prefill: dict[str, float] | None,
+                   overrides: dict[str, Any] | None = None,
+                   index_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The gateway.yaml the harness runs a policy with (routing headers exposed).
+
+    `prefill` None leaves the gateway's built-in profile. `overrides` (--policy-set) and
+    `index_overrides` (--index-set) replace or add keys of `policy:` and `index:`.
+    """
+    policy_section: dict[str, Any] = {"name": policy, "seed": seed}
+    if prefill is not None:
+        policy_section["prefill"] = prefill
+    return {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "models": {MODEL_NAME: {"tokenizer": str(model_dir), "max_model_len": fleet.max_model_len}},
+        "replicas": [
+            {"url": r.url, "name": r.name, "models": [MODEL_NAME],
+             "block_size": fleet.block_size, "hash_algo": "sha256", "hash_seed": str(seed),
+             "kv_events": r.kv_events, "kv_replay": r.kv_replay}
+            for r in fleet.replicas
+        ],
+        "index": {"backend": index, **(index_overrides or {})},
+        "policy": {**policy_section, **(overrides or {})},
+        "tenants": {"allow_anonymous": True},
+        "proxy": {"expose_routing_headers": True},
+        "health": {"interval_s": 0.5, "scrape_interval_s": 0.25},
+    }
+
+
+def config_overrides(args: argparse.Namespace, dest: str = "policy_set") -> dict[str, Any]:
+    """--policy-set (or --index-set) KEY=VALUE pairs as a dict, values parsed as YAML."""
+    flag = "--" + dest.replace("_", "-")
+    out: dict[str, Any] = {}
+    for item in getattr(args, dest, None) or []:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise HarnessError(f"{flag} wants KEY=VALUE, got {item!r}")
+        if key in ("name", "backend"):
+            raise HarnessError(f"{flag} cannot change {key}; use --policies / --index")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def overrides_note(args: argparse.Namespace) -> str:
+    """For reports: the config keys --policy-set and --index-set changed."""
+    changed = {**{f"policy.{k}": v for k, v in config_overrides(args).items()},
+               **{f"index.{k}": v for k, v in config_overrides(args, "index_set").items()}}
+    return ("settings: " + ", ".join(f"{k}={v}" for k, v in changed.items())) if changed else ""
+
+
+def _gateway_ready(url: str) -> bool:
+    """Ready once /ready says every replica is healthy: a policy must see the whole fleet."""
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
+            body = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+    replicas = body.get("replicas") or []
+    return bool(body.get("ready")) and all(r.get("state") == "healthy" for r in replicas)
+
+
+@contextlib.contextmanager
+def gateway(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfile,
+            args: argparse.Namespace, log_dir: Path, tag: str = "") -> Iterator[str]:
+    """One gateway process (and its indexer on a Redis index) for one policy; yields its URL."""
+    port = free_port()
+    config = gateway_config(policy, fleet, port, index, Path(args.model_dir), args.seed,
+                            profile.prefill, config_overrides(args),
+                            config_overrides(args, "index_set"))
+    name = f"{policy}{tag}"
+    path = log_dir / f"gateway-{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    procs: list[LoggedProcess] = []
+    try:
+        if index.startswith("redis://"):
+            # A gateway on a Redis index reads it but does not feed it: the indexer does,
+            # from the replicas' KV events. Started first and synced before any request.
+            indexer = LoggedProcess(f"indexer-{name}", [
+                sys.executable, "-m", "router", "indexer", "--config", str(path),
+                "--log-level", "INFO"])
+            procs.append(indexer)
+            indexer.start(log_dir)
+            indexer.wait_until(lambda: "indexing " in indexer.log_tail(20_000))
+        proc = LoggedProcess(f"gateway-{name}",
+                             [sys.executable, "-m", "router", "serve", "--config", str(path),
+                              "--shutdown-timeout", "2"])
+        procs.append(proc)
+        proc.start(log_dir)
+        url = f"http://127.0.0.1:{port}"
+        proc.wait_until(lambda: _gateway_ready(url))
+        yield url
+    finally:
+        for p in reversed(procs):
+            p.stop()

@@ -1,0 +1,122 @@
+"""Peer routers run over the same fleet: vllm-router 0.1.17 and SMG 1.13 (SGLang's gateway).
+
+A peer policy is named `PEER:POLICY` in a comparison (`vllm-router:kv_aware`,
+`smg:cache_aware`). Each peer is a Rust binary installed next to this Python (pip
+packages `vllm-router==0.1.17` and `smg==1.13.0`, scripts/setup.sh); a peer that is not
+installed, or cannot take the run's traffic, is skipped with the reason printed.
+
+- vllm-router routes token ids and chat alike; its kv_aware follows the replicas' KV
+  events and matches prefixes only for token-id prompts.
+- SMG tokenizes chat with the served model's tokenizer (`--tokenizer-path`) and refuses
+  token-id prompts on /v1/completions, so it runs on chat traffic only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import shutil
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadgen.harness import MODEL_NAME, HarnessError, LoggedProcess, answers_ok
+from loadgen.target_fleet import TargetFleet
+from replica.processes import free_port
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A peer router: its executable, the policies a comparison adds by default, its label."""
+
+    name: str
+    binary: str
+    default_policies: tuple[str, ...]
+    label: str
+    chat_only: bool = False
+
+    def executable(self) -> str | None:
+        """The executable next to this Python, or on PATH; None when not installed."""
+        local = Path(sys.executable).parent / self.binary
+        if local.exists():
+            return str(local)
+        return shutil.which(self.binary)
+
+
+VLLM_ROUTER = Peer("vllm-router", "vllm-router", ("cache_aware", "round_robin"),
+                   "vllm-router 0.1.17 as a peer (its own hashing and load view)")
+SMG = Peer("smg", "smg", ("cache_aware", "prefix_hash"),
+           "SMG 1.13 (SGLang model gateway) as a peer (its own tokenizer, tree and load view)",
+           chat_only=True)
+PEERS = {p.name: p for p in (VLLM_ROUTER, SMG)}
+
+
+def split_policy(policy: str) -> tuple[Peer | None, str]:
+    """`PEER:POLICY` -> (the peer, its policy); our own policies -> (None, policy)."""
+    name, sep, rest = policy.partition(":")
+    if sep and name in PEERS:
+        return PEERS[name], rest
+    return None, policy
+
+
+def skip_reason(peer: Peer, api: str) -> str | None:
+    """Why `peer` cannot run this comparison, or None when it can."""
+    if peer.executable() is None:
+        return f"{peer.name} is not installed (scripts/setup.sh installs it)"
+    if peer.chat_only and api != "chat":
+        return (f"{peer.name} refuses token-id prompts on /v1/completions; "
+                "run with --api chat to compare it")
+    return None
+
+
+@contextlib.contextmanager
+def peer_router(peer: Peer, policy: str, fleet: TargetFleet, model_dir: Path,
+                log_dir: Path, tag: str = "") -> Iterator[str]:
+    """One peer router over the fleet, started and healthy; yields its base URL."""
+    binary = peer.executable()
+    if binary is None:
+        raise HarnessError(f"{peer.name} is not installed")
+    port = free_port()
+    urls = [r.url for r in fleet.replicas]
+    if peer is SMG:
+        cmd = [binary, "launch", "--host", "127.0.0.1", "--port", str(port),
+               "--worker-urls", *urls, "--policy", policy, "--tokenizer-path", str(model_dir),
+               "--log-level", "warn", "--prometheus-host", "127.0.0.1",
+               "--prometheus-port", str(free_port())]
+        ready = functools.partial(_smg_ready, f"http://127.0.0.1:{port}", len(urls))
+    else:
+        cmd = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+               "--worker-urls", *urls, "--log-level", "warning",
+               "--prometheus-port", str(free_port())]
+        if policy == "kv_aware":
+            # kv_aware follows the replicas' KV events, as our gateway does.
+            cmd += ["--kv-event-block-size", str(fleet.block_size),
+                    "--kv-event-model", MODEL_NAME]
+            for r in fleet.replicas:
+                if r.kv_events:
+                    cmd += ["--kv-event-source", f"{r.url}={r.kv_events}"]
+                if r.kv_replay:
+                    cmd += ["--kv-event-replay-source", f"{r.url}={r.kv_replay}"]
+        ready = functools.partial(answers_ok, f"http://127.0.0.1:{port}/health")
+    proc = LoggedProcess(f"{peer.name}-{policy}{tag}", cmd)
+    proc.start(log_dir)
+    try:
+        proc.wait_until(ready)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+def _smg_ready(url: str, workers: int) -> bool:
+    """SMG answers /health at once but registers its workers afterwards: wait for all."""
+    try:
+        with urllib.request.urlopen(f"{url}/workers", timeout=2) as resp:
+            body = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+    listed = body.get("workers") or []
+    return len(listed) >= workers and all(w.get("is_healthy", True) for w in listed)
