@@ -2,7 +2,8 @@
 
 `python -m router indexer` (router/cli/indexer.py) is its command line. The feeds come
 from flags or from the gateway's config (`feeds_from_config`: every replica with
-kv_events set; its name, first model and kv_replay). A feed's replica id must be the id
+kv_events set; its name, first model and kv_replay). Of that config the indexer reads
+only the replicas and index sections (CONFIG_SECTIONS). A feed's replica id must be the id
 the gateway uses for that replica, or lookups will never match it.
 
 A config replica given by `dns: HOST:PORT` stands for every address HOST resolves to:
@@ -28,7 +29,7 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REKEY_SETTINGS = ("never", "always", "auto")
+# The only parts of the gateway's config the indexer reads. Everything else (tenants
+# and their API keys, the salt secret, the tokenizers) is the gateway's: the indexer is
+# trusted with hash seeds and the Redis password only (docs/SECURITY.md), so it must
+# start without the others' secrets in its environment.
+CONFIG_SECTIONS = ("replicas", "index")
 
 
 @dataclass(frozen=True)
@@ -158,11 +164,17 @@ class ConfigFeeds:
     password: str | None
 
 
-def feeds_from_config(path: str, rekey_default: str = "never") -> ConfigFeeds:
-    """Feeds (fixed and DNS), index URL and Redis password from the gateway config."""
+def feeds_from_config(path: str, rekey_default: str = "never",
+                      env: Mapping[str, str] | None = None) -> ConfigFeeds:
+    """Feeds (fixed and DNS), index URL and Redis password from the gateway config.
+
+    Reads and validates only the sections in CONFIG_SECTIONS, with `env` (default: this
+    process's environment) for CACHEROUTE_* overrides and the Redis password.
+    """
     from router.config import load_config  # the config stack is only needed here
 
-    config = load_config(path, os.environ, [])
+    config = load_config(path, os.environ if env is None else env, [],
+                         sections=CONFIG_SECTIONS)
     served = sorted(config.served_models())
     static: list[ReplicaFeed] = []
     dns: list[DnsReplicas] = []
@@ -171,7 +183,8 @@ def feeds_from_config(path: str, rekey_default: str = "never") -> ConfigFeeds:
             continue
         models = list(replica.models) or served
         if not models:
-            raise SystemExit(f"replica {replica.name}: no model to index its blocks under")
+            raise SystemExit(f"replica {replica.name}: no model to index its blocks under "
+                             "(list its models: the indexer does not read the models section)")
         rekey, mode = rekey_setting(replica, rekey_default)
         source = source_from_config(replica)
         source.check()  # fail now, not at the first resolution

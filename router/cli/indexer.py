@@ -6,7 +6,9 @@ gateways read in step with what the replicas hold. Replicas come from flags
     --replica NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,model=NAME][,topic=T]
 
 or from the gateway's config (`--config gateway.yaml`: every replica with kv_events
-set; its name, first model and kv_replay). NAME must be the replica id the gateway uses
+set; its name, first model and kv_replay). Only the replicas and index sections are read
+and validated: the indexer needs the hash seeds and the Redis password, never the
+tenants' API keys or the salt secret. NAME must be the replica id the gateway uses
 (the config's replica name), or lookups will never match it.
 
 DNS replicas and the rekey modes (--rekey is the default for config replicas without a
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from dataclasses import dataclass
 
@@ -90,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     password: str | None = None
     if args.config:
         try:
-            loaded = feeds_from_config(args.config, args.rekey)
+            loaded = feeds_from_config(args.config, args.rekey, os.environ)
         except ValueError as exc:  # router.config.ConfigError names the bad key
             print(f"{args.config}: {exc}", file=sys.stderr)
             return 2

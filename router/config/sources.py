@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,9 +114,15 @@ def env_overrides(env: Mapping[str, str]) -> list[tuple[str, str]]:
 
 
 def load_config(
-    path: str | None, env: Mapping[str, str], overrides: Sequence[str]
+    path: str | None, env: Mapping[str, str], overrides: Sequence[str],
+    *, sections: Collection[str] | None = None,
 ) -> GatewayConfig:
-    """Build the config from a YAML file, then CACHEROUTE_* env vars, then KEY=VALUE overrides."""
+    """Build the config from a YAML file, then CACHEROUTE_* env vars, then KEY=VALUE overrides.
+
+    With `sections`, only those top-level keys are kept and validated; every other
+    section takes its defaults. A process that reads part of the gateway's config (the
+    indexer) so needs none of the other sections' secrets.
+    """
     raw: dict[str, Any] = {}
     if path is not None:
         try:
@@ -138,6 +144,8 @@ def load_config(
         if not sep:
             raise ConfigError(item, "an override must be KEY=VALUE, e.g. policy.name=cache_aware")
         _set_path(raw, _parse_path(key.strip()), _Text(value), f"--set {key.strip()}")
+    if sections is not None:
+        raw = {key: value for key, value in raw.items() if key in sections}
     return build_config(raw, env)
 
 

@@ -44,10 +44,11 @@ async def publisher() -> AsyncIterator[KvPublisher]:
         ctx.term()
 
 
-async def start_indexer(*args: str) -> asyncio.subprocess.Process:
+async def start_indexer(*args: str, env: dict[str, str] | None = None
+                        ) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "router", "indexer", "--stats-interval", "0.2", *args,
-        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
 
 
 async def stop_indexer(proc: asyncio.subprocess.Process, *, terminate: bool = True
@@ -129,6 +130,50 @@ async def test_indexer_reads_replicas_from_the_gateway_config(
         code, log = await stop_indexer(proc)
         assert code == 0, log
         assert "indexing 1 replica(s): r1=" in log, log
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await index.close()
+
+
+async def test_indexer_needs_only_the_seed_and_redis_settings(
+    publisher: KvPublisher, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The whole gateway config, its tenant keys and salt secret in variables that are not
+    set: the indexer reads only replicas and index, so it starts and indexes."""
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        "listen: {host: 127.0.0.1, port: 8000}\n"
+        f"index: {{backend: \"{redis_server.url}\", password_env: INDEX_PASSWORD}}\n"
+        "policy: {name: cache_aware}\n"
+        "tenants:\n"
+        "  secret_env: CACHEROUTE_SALT_SECRET\n"
+        "  keys:\n"
+        "    - {key_env: KEY_A, tenant: a}\n"
+        "    - {key_env: KEY_B, tenant: b}\n"
+        "proxy: {max_retries: 1}\n"
+        "replicas:\n"
+        "  - url: http://127.0.0.1:9\n"
+        "    name: r1\n"
+        f"    models: [{MODEL}]\n"
+        "    hash_seed: placeholder\n"
+        f"    kv_events: {publisher.endpoint}\n"
+        f"    kv_replay: {publisher.replay_endpoint}\n")
+    # Only what the indexer is trusted with: the seed (as the chart passes it) and the
+    # Redis password (this test's Redis has none: redis-py sends it and goes on).
+    env = {"PATH": "/usr/bin:/bin", "CACHEROUTE_REPLICAS__0__HASH_SEED": "0",
+           "INDEX_PASSWORD": "unused"}
+    for name in ("KEY_A", "KEY_B", "CACHEROUTE_SALT_SECRET"):
+        assert name not in env
+    index = RedisIndex.from_url(redis_server.url)
+    proc = await start_indexer("--config", str(config), env=env)
+    try:
+        await follow_events(publisher, index, proc)
+        code, log = await stop_indexer(proc)
+        assert code == 0, log
+        assert "indexing 1 replica(s): r1=" in log, log
+        assert "KEY_A" not in log and "SALT_SECRET" not in log, log
     finally:
         if proc.returncode is None:
             proc.kill()
