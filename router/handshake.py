@@ -17,7 +17,7 @@ re-keying the observed tokens under each alternative setting the gateway can try
 (block size from the event itself, the other algorithms with the configured seed); a
 seed is the only setting that cannot be recovered, so it is what remains.
 
-The events reach the indexer (router/events.py), not the gateway: a BlockStored whose
+The events reach the indexer (router/events/), not the gateway: a BlockStored whose
 block-0 extra key is a probe salt (`is_probe_salt`) is not indexed but stored through
 the PrefixIndex (`put_probe`), where `run_handshake` finds it by salt (`get_probe`).
 That works alike for an in-gateway indexer on the memory index and for the separate

@@ -1,12 +1,20 @@
-"""The KV-event subscriber against a real ZMQ publisher on loopback and both index backends."""
+"""The KV-event transport against a real ZMQ publisher on loopback and both index backends.
+
+The stream's rules (order, gaps, restarts, replay plans) are tested without sockets in
+test_event_sequence.py, and what batches mean for the index in test_event_planning.py;
+here, that the transport feeds them: SUB, replay DEALER, socket monitor, mark_stale,
+an index outage, discovery, and vLLM's own publisher.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -15,8 +23,6 @@ import zmq.asyncio
 from servers import RedisServer
 
 from router.events import EventIndexer, ReplicaEventStream, ReplicaFeed
-from router.handshake import ObservedBlocks, compare, make_probe
-from router.hashing import BlockChain, HashConfig, LoraRef
 from router.index import MemoryIndex, PrefixIndex, RedisIndex
 from router.kv_events import (
     END_SEQ,
@@ -203,21 +209,6 @@ async def test_stored_removed_and_cleared_follow_the_replica(
         assert stream.stats.lag_s() is not None
 
 
-async def test_lora_blocks_live_in_their_own_scope_and_are_removed_there(
-    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
-) -> None:
-    async with subscribed(publisher, index, zctx) as stream:
-        await publisher.publish(stored([1, 2], lora="sql"), stored([5, 6]))
-        await applied_up_to(stream, 0)
-        assert await index.lookup(f"{MODEL}@sql", [1, 2]) == {"r1": 2}
-        assert await index.lookup(MODEL, [1, 2]) == {}
-        assert await index.lookup(MODEL, [5, 6]) == {"r1": 2}
-        await publisher.publish(removed([2]), removed([6]))
-        await applied_up_to(stream, 1)
-        assert await index.lookup(f"{MODEL}@sql", [1, 2]) == {"r1": 1}
-        assert await index.lookup(MODEL, [5, 6]) == {"r1": 1}
-
-
 async def test_a_gap_is_filled_from_the_replay_socket(
     publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
 ) -> None:
@@ -231,38 +222,6 @@ async def test_a_gap_is_filled_from_the_replay_socket(
         assert publisher.replay_requests == [0]  # from the last batch seen, to check it
         assert (stream.stats.gaps, stream.stats.replays, stream.stats.replay_failures) == (1, 1, 0)
         assert stream.stats.restarts == 0
-
-
-async def test_a_gap_without_replay_clears_the_replica(
-    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
-) -> None:
-    await index.add(MODEL, "r2", [1])
-    async with subscribed(publisher, index, zctx, replay=False) as stream:
-        await publisher.publish(stored([1, 2]))
-        await publisher.publish(removed([2]), send=False)
-        await publisher.publish(stored([9]))
-        await applied_up_to(stream, 2)
-        # What r1 held before the gap is unknown, so it is forgotten; new events count.
-        assert await index.lookup(MODEL, [1, 2]) == {"r2": 1}
-        assert await index.lookup(MODEL, [9]) == {"r1": 1}
-        assert stream.stats.gaps == 1
-        assert stream.stats.replays == 0
-
-
-async def test_an_incomplete_replay_clears_the_replica(
-    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
-) -> None:
-    async with subscribed(publisher, index, zctx) as stream:
-        await publisher.publish(stored([1, 2]))
-        await publisher.publish(removed([2]), send=False)
-        await publisher.publish(stored([5]), send=False)
-        publisher.replay_floor = 2  # the replica's buffer rolled over: seq 1 is gone
-        await publisher.publish(stored([9]))
-        await applied_up_to(stream, 3)
-        assert await index.lookup(MODEL, [1, 2]) == {}
-        assert await index.lookup(MODEL, [5]) == {}
-        assert await index.lookup(MODEL, [9]) == {"r1": 1}
-        assert (stream.stats.replays, stream.stats.replay_failures) == (0, 1)
 
 
 async def test_a_silent_replay_socket_times_out_and_clears(
@@ -280,44 +239,6 @@ async def test_a_silent_replay_socket_times_out_and_clears(
         assert await index.lookup(MODEL, [1, 2]) == {}
         assert await index.lookup(MODEL, [9]) == {"r1": 1}
         assert stream.stats.replay_failures == 1
-
-
-async def test_sequence_back_to_zero_means_restart_and_clears(
-    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
-) -> None:
-    async with subscribed(publisher, index, zctx) as stream:
-        await publisher.publish(stored([1, 2]))
-        await publisher.publish(stored([3], parent=2))
-        await applied_up_to(stream, 1)
-        publisher.restart()
-        await publisher.publish(stored([7]))  # seq 0 again
-        await eventually(lambda: stream.stats.restarts == 1)
-        await eventually(lambda: stream.stats.batches == 3)
-        assert await index.lookup(MODEL, [1, 2, 3]) == {}
-        assert await index.lookup(MODEL, [7]) == {"r1": 1}
-        await publisher.publish(stored([8], parent=7))  # seq 1 of the new run: no gap
-        await eventually(lambda: stream.stats.batches == 4)
-        assert await index.lookup(MODEL, [7, 8]) == {"r1": 2}
-        assert stream.stats.gaps == 0
-
-
-async def test_a_restart_hidden_in_a_gap_is_found_through_the_replay(
-    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
-) -> None:
-    async with subscribed(publisher, index, zctx) as stream:
-        await publisher.publish(stored([1, 2]))
-        await publisher.publish(stored([3], parent=2))
-        await applied_up_to(stream, 1)
-        publisher.restart()  # the replica restarts, and its first batches are lost to us
-        await publisher.publish(stored([7]), send=False)
-        await publisher.publish(stored([8], parent=7), send=False)
-        await publisher.publish(stored([9], parent=8), send=False)
-        await publisher.publish(stored([10], parent=9))  # seq 3: looks like a plain gap
-        await applied_up_to(stream, 3)
-        assert publisher.replay_requests == [1, 0]  # seq 1 is not ours: all from 0
-        assert stream.stats.restarts == 1
-        assert await index.lookup(MODEL, [1, 2, 3]) == {}
-        assert await index.lookup(MODEL, [7, 8, 9, 10]) == {"r1": 4}
 
 
 async def test_a_restart_whose_seq_happens_to_follow_ours_is_found_after_the_reconnect(
@@ -343,40 +264,6 @@ async def test_a_restart_whose_seq_happens_to_follow_ours_is_found_after_the_rec
         assert await index.lookup(MODEL, [7, 8, 9]) == {"r1": 3}
 
 
-async def test_a_reconnect_to_the_same_run_keeps_the_entries(
-    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
-) -> None:
-    async with subscribed(publisher, index, zctx) as stream:
-        await publisher.publish(stored([1, 2]))
-        await applied_up_to(stream, 0)
-        await publisher.rebind()  # a network blip: same replica, same sequence
-        await eventually(lambda: stream.stats.disconnects == 1)
-        await publisher.wait_subscribed()
-        await publisher.publish(stored([3], parent=2))
-        await applied_up_to(stream, 1)
-        assert publisher.replay_requests == [0]  # the continuity check
-        assert (stream.stats.restarts, stream.stats.replays) == (0, 1)
-        assert await index.lookup(MODEL, [1, 2, 3]) == {"r1": 3}
-
-
-async def test_duplicates_are_ignored(
-    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
-) -> None:
-    async with subscribed(publisher, index, zctx) as stream:
-        ts = time.time()
-        await publisher.publish(stored([1]), ts=ts)
-        await publisher.publish(removed([1]), ts=ts + 1)
-        await publisher.publish(stored([1]), seq=0, ts=ts)  # re-sent old batches
-        await publisher.publish(removed([1]), seq=1, ts=ts + 1)
-        await publisher.publish(stored([5]), seq=2, ts=ts + 2)
-        await publisher.publish(stored([1]), seq=0, ts=ts)
-        await publisher.publish(stored([6], parent=5), seq=3, ts=ts + 3)
-        await applied_up_to(stream, 3)
-        assert await index.lookup(MODEL, [1]) == {}
-        assert await index.lookup(MODEL, [5, 6]) == {"r1": 2}
-        assert (stream.stats.duplicates, stream.stats.restarts) == (3, 0)
-
-
 async def test_a_garbage_payload_is_counted_and_skipped(
     publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
 ) -> None:
@@ -392,37 +279,6 @@ async def test_a_garbage_payload_is_counted_and_skipped(
         assert stream.stats.batches == 2
 
 
-async def test_a_store_lost_to_a_bad_payload_leaves_a_hole_the_lookup_sees(
-    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
-) -> None:
-    chain = list(range(1, 41))
-    async with subscribed(publisher, index, zctx) as stream:
-        await publisher.publish(stored(chain[:10]))
-        # The batch storing blocks 10..19 arrives unreadable: its seq counts, its blocks
-        # are lost, and the next batch continues the chain from block 19.
-        await publisher.publish(payload=b"\x93not msgpack at all")
-        await publisher.publish(stored(chain[20:], parent=chain[19]))
-        await applied_up_to(stream, 2)
-        assert stream.stats.decode_errors == 1
-        # The bisecting lookup (the default) gives the run up to the hole, as a walk does.
-        assert await index.lookup(MODEL, chain) == {"r1": 10}
-
-
-async def test_first_contact_rebuilds_from_the_replay_buffer(
-    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
-) -> None:
-    await index.add(MODEL, "r1", [42])  # stale: left by an earlier indexer
-    # The replica was busy before anyone subscribed.
-    await publisher.publish(stored([1, 2]), send=False)
-    await publisher.publish(stored([3], parent=2), send=False)
-    async with subscribed(publisher, index, zctx) as stream:
-        await publisher.publish(stored([4], parent=3))
-        await applied_up_to(stream, 2)
-        assert publisher.replay_requests == [0]
-        assert await index.lookup(MODEL, [1, 2, 3, 4]) == {"r1": 4}
-        assert await index.lookup(MODEL, [42]) == {}
-
-
 async def test_mark_stale_drops_entries_until_the_replica_speaks_again(
     publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
 ) -> None:
@@ -435,61 +291,6 @@ async def test_mark_stale_drops_entries_until_the_replica_speaks_again(
         await applied_up_to(stream, 1)
         # Back: the whole buffer is replayed, so blocks from before the outage return.
         assert await index.lookup(MODEL, [1, 2, 3]) == {"r1": 3}
-
-
-async def test_clear_on_one_replica_leaves_the_others(
-    zctx: zmq.asyncio.Context, index: PrefixIndex
-) -> None:
-    pub1, pub2 = KvPublisher(zctx), KvPublisher(zctx)
-    try:
-        async with subscribed(pub1, index, zctx, replica="r1") as s1, \
-                subscribed(pub2, index, zctx, replica="r2") as s2:
-            await pub1.publish(stored([1, 2]))
-            await pub2.publish(stored([1, 2, 3]))
-            await applied_up_to(s1, 0)
-            await applied_up_to(s2, 0)
-            assert await index.lookup(MODEL, [1, 2, 3]) == {"r1": 2, "r2": 3}
-            await pub1.publish(AllBlocksCleared())
-            await applied_up_to(s1, 1)
-            assert await index.lookup(MODEL, [1, 2, 3]) == {"r2": 3}
-    finally:
-        await pub1.close()
-        await pub2.close()
-
-
-async def test_rekey_indexes_a_differently_seeded_replica_under_the_gateways_keys(
-    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
-) -> None:
-    gateway = HashConfig("sha256", block_size=4)
-    replica = HashConfig("sha256", block_size=4, seed="other-seed")
-    tokens = list(range(100, 112))  # 3 blocks
-    lora = LoraRef("sql", "/adapters/sql")
-    theirs = BlockChain(replica, cache_salt="tenant-A", tokens=tokens).event_keys()
-    ours = BlockChain(gateway, cache_salt="tenant-A", tokens=tokens).event_keys()
-    theirs_lora = BlockChain(replica, lora=lora, tokens=tokens[:8]).event_keys()
-    ours_lora = BlockChain(gateway, lora=lora, tokens=tokens[:8]).event_keys()
-    assert not set(theirs) & set(ours)
-    async with subscribed(publisher, index, zctx, rekey=gateway,
-                          lora_paths={"sql": "/adapters/sql"}) as stream:
-        # Two events along one chain: the second's parent must map to our digest.
-        await publisher.publish(
-            stored(theirs[:2], tokens=tokens[:8], extra_keys=[["tenant-A"], None]))
-        await publisher.publish(stored(theirs[2:], parent=theirs[1], tokens=tokens[8:]))
-        await publisher.publish(
-            stored(theirs_lora, tokens=tokens[:8], lora="sql", extra_keys=[["sql"], ["sql"]]))
-        await applied_up_to(stream, 2)
-        assert await index.lookup(MODEL, ours) == {"r1": 3}
-        assert await index.lookup(MODEL, theirs) == {}
-        assert await index.lookup(f"{MODEL}@sql", ours_lora) == {"r1": 2}
-        await publisher.publish(removed([theirs[2]]), removed([theirs_lora[1]]))
-        await applied_up_to(stream, 3)
-        assert await index.lookup(MODEL, ours) == {"r1": 2}
-        assert await index.lookup(f"{MODEL}@sql", ours_lora) == {"r1": 1}
-        # A block whose parent was never seen, and another block size: skipped, counted.
-        await publisher.publish(stored([555], parent=999, tokens=[1, 2, 3, 4]))
-        await publisher.publish(stored([556], tokens=[1] * 8, block_size=8))
-        await applied_up_to(stream, 5)
-        assert (stream.stats.rekey_misses, stream.stats.rekey_unsupported) == (1, 1)
 
 
 async def test_event_indexer_follows_discovery_and_stops_cleanly(
@@ -542,23 +343,28 @@ async def test_index_outage_is_counted_and_resynced_when_redis_returns(
         await index.close()
 
 
+@pytest.fixture(scope="module")
+def vllm_kv_events() -> ModuleType:
+    """vLLM's kv_events module, imported outside the event loop (the import takes seconds)."""
+    return importlib.import_module("vllm.distributed.kv_events")
+
+
 async def test_vllms_own_publisher_is_followed_through_replay_and_restart(
-    tmp_path: Path,
+    tmp_path: Path, vllm_kv_events: ModuleType
 ) -> None:
     """The stream against vLLM 0.32's ZmqEventPublisher itself (no server: just its class)."""
-    from vllm.distributed.kv_events import BlockStored as VllmBlockStored
-    from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+    kv = vllm_kv_events
 
-    def batch(keys: list[int], parent: int | None = None) -> KVEventBatch:
+    def batch(keys: list[int], parent: int | None = None) -> Any:
         hashes: list[bytes | int] = list(keys)
-        return KVEventBatch(ts=time.time(), events=[VllmBlockStored(
+        return kv.KVEventBatch(ts=time.time(), events=[kv.BlockStored(
             block_hashes=hashes, parent_block_hash=parent, token_ids=[0] * 4 * len(keys),
             block_size=4, lora_id=None, medium="GPU", lora_name=None)])
 
     # ipc endpoints: vLLM binds them (as it does tcp://*), and nothing leaves the machine.
     endpoint, replay = f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/replay"
     index = MemoryIndex()
-    publisher = ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay)
+    publisher = kv.ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay)
     stream = ReplicaEventStream("r1", endpoint, replay, index, MODEL)
     stream.start()
     try:
@@ -577,7 +383,7 @@ async def test_vllms_own_publisher_is_followed_through_replay_and_restart(
         assert stream.stats.decode_errors == 0
 
         await asyncio.to_thread(publisher.shutdown)
-        publisher = ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay)
+        publisher = kv.ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay)
         publisher.publish(batch([7]))  # seq 0 of the restarted replica
         await eventually(lambda: heard(1))
 
@@ -589,94 +395,3 @@ async def test_vllms_own_publisher_is_followed_through_replay_and_restart(
     finally:
         await stream.stop()
         await asyncio.to_thread(publisher.shutdown)
-
-
-async def test_a_probe_is_kept_for_the_handshake_and_never_indexed(
-    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
-) -> None:
-    salt = "cacheroute-probe-0123"
-    tokens = list(range(50, 58))
-    async with subscribed(publisher, index, zctx) as stream:
-        await publisher.publish(stored([1, 2], tokens=tokens, extra_keys=[[salt], None]))
-        await publisher.publish(stored([3], parent=2))  # decode filled a block under it
-        await publisher.publish(stored([5], extra_keys=[["tenant-salt"]]), removed([3]))
-        await applied_up_to(stream, 2)
-        assert await index.get_probe(salt) == ObservedBlocks(4, (1, 2), tuple(tokens),
-                                                              replica="r1", rekeyed=False)
-        assert await index.lookup(MODEL, [1, 2, 3]) == {}
-        assert await index.lookup(MODEL, [5]) == {"r1": 1}
-        assert stream.stats.probes == 2
-        assert stream.stats.events_applied == 4
-
-
-async def test_auto_rekey_indexes_an_agreeing_replica_as_it_is(
-    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
-) -> None:
-    config = HashConfig("sha256", block_size=4, seed="0")
-    tokens = list(range(200, 212))
-    keys = BlockChain(config, tokens=tokens).event_keys()
-    async with subscribed(publisher, index, zctx, rekey=config, rekey_mode="auto") as stream:
-        await publisher.publish(stored(keys[:2], tokens=tokens[:8]))
-        # Parent stored before we subscribed: passthrough indexes it all the same.
-        await publisher.publish(stored([777], parent=999))
-        await publisher.publish(stored(keys[2:], parent=keys[1], tokens=tokens[8:]))
-        await applied_up_to(stream, 2)
-        assert stream.stats.key_check == "agree" and not stream.rekeying
-        assert await index.lookup(MODEL, keys) == {"r1": 3}
-        assert await index.lookup(MODEL, [777]) == {"r1": 1}
-        assert stream.stats.rekey_misses == 0
-        await publisher.publish(removed([keys[2]]))
-        await applied_up_to(stream, 3)
-        assert await index.lookup(MODEL, keys) == {"r1": 2}
-
-
-async def test_auto_rekey_turns_on_for_a_differing_replica_and_marks_its_probes(
-    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
-) -> None:
-    gateway = HashConfig("sha256", block_size=4, seed="0")
-    replica = HashConfig("sha256", block_size=4, seed="1")
-    tokens = list(range(300, 312))
-    theirs = BlockChain(replica, tokens=tokens).event_keys()
-    ours = BlockChain(gateway, tokens=tokens).event_keys()
-    probe = make_probe(4, vocab_size=500)
-    probe_keys = BlockChain(replica, cache_salt=probe.cache_salt,
-                            tokens=list(probe.token_ids)).event_keys()
-    async with subscribed(publisher, index, zctx, rekey=gateway, rekey_mode="auto") as stream:
-        assert not stream.rekeying  # undecided: nothing compared yet
-        await publisher.publish(stored(theirs[:2], tokens=tokens[:8]))
-        await publisher.publish(stored(theirs[2:], parent=theirs[1], tokens=tokens[8:]))
-        await publisher.publish(stored(probe_keys, tokens=probe.token_ids[:8],
-                                       extra_keys=[[probe.cache_salt], None]))
-        await applied_up_to(stream, 2)
-        assert stream.stats.key_check == "differ" and stream.rekeying
-        assert await index.lookup(MODEL, ours) == {"r1": 3}
-        assert await index.lookup(MODEL, theirs) == {}
-        observed = await index.get_probe(probe.cache_salt)
-        assert observed is not None and observed.rekeyed and observed.keys == tuple(probe_keys)
-        result = compare(probe, gateway, observed)
-        assert (result.verified, result.mismatch, result.rekeyed) == (False, "hash_seed", True)
-        assert result.routable_by_prefix
-        await publisher.publish(removed([theirs[2]]))
-        await applied_up_to(stream, 3)
-        assert await index.lookup(MODEL, ours) == {"r1": 2}
-
-
-async def test_auto_rekey_compares_again_after_the_replica_restarts(
-    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
-) -> None:
-    gateway = HashConfig("sha256", block_size=4, seed="0")
-    tokens = list(range(400, 408))
-    before = BlockChain(gateway, tokens=tokens).event_keys()
-    # Restarted with another PYTHONHASHSEED: its keys no longer agree.
-    after = BlockChain(HashConfig("sha256", block_size=4, seed="9"), tokens=tokens).event_keys()
-    async with subscribed(publisher, index, zctx, rekey=gateway, rekey_mode="auto") as stream:
-        await publisher.publish(stored(before, tokens=tokens))
-        await publisher.publish(removed([555]))  # (a restart shows as seq 0 after seq > 0)
-        await applied_up_to(stream, 1)
-        assert stream.stats.key_check == "agree"
-        publisher.restart()
-        await publisher.publish(stored(after, tokens=tokens))  # seq 0 again
-        await eventually(lambda: stream.stats.restarts == 1 and stream.stats.batches == 3)
-        assert stream.stats.key_check == "differ" and stream.rekeying
-        assert await index.lookup(MODEL, before) == {"r1": 2}  # re-keyed into our keys
-        assert await index.lookup(MODEL, after) == {}

@@ -1,0 +1,248 @@
+"""The ZMQ transport of one replica's KV events: a SUB for the stream, a DEALER for replay.
+
+vLLM binds a ZMQ PUB socket (and, optionally, a ROUTER for replay) and we connect a SUB.
+This module only moves bytes: it splits each message into its frames, hands (seq,
+payload) to the sequence tracker (sequence.py) and performs the plan it returns:
+clearing the replica's entries, asking the replay socket for missed batches (with a
+deadline) and writing each batch the planner (planning.py) turns into index operations.
+A socket monitor tells the tracker when the connection to the publisher dropped.
+
+An index failure, or any other error while applying a message, makes the tracker lose
+sync: the next message starts over as at first contact (clear, replay from 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from router.events.planning import DEFAULT_MEDIA, BatchPlanner, RekeyMode
+from router.events.sequence import Clear, SequenceTracker
+from router.events.stats import StreamStats
+from router.hashing import HashConfig
+from router.index import IndexUnavailable, PrefixIndex
+from router.kv_events import END_SEQ, EventBatch, EventDecodeError, parse_seq, seq_bytes
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REPLAY_TIMEOUT_S = 2.0
+# A probe's observation is read by the gateway within its handshake deadline (seconds).
+DEFAULT_PROBE_TTL_S = 120.0
+# vLLM publishes with hwm 100,000; a SUB with a smaller queue would drop what vLLM kept.
+_SUB_HWM = 100_000
+
+
+class ReplayUnavailable(RuntimeError):
+    """The replica's replay socket did not answer in time."""
+
+
+class ReplicaEventStream:
+    """One replica's KV-event subscription, applied to the index by an asyncio task.
+
+    `model`, `rekey`, `rekey_mode`, `lora_paths` and `media` say how batches become
+    index writes (planning.BatchPlanner). Handshake probes are never indexed: they are
+    stored with `index.put_probe` for `probe_ttl_s`, under the replica's own keys.
+    `start()` connects and returns; `stop()` closes; `stats` is read at any time.
+    """
+
+    def __init__(
+        self,
+        replica_id: str,
+        endpoint: str,
+        replay_endpoint: str | None,
+        index: PrefixIndex,
+        model: str,
+        *,
+        topic: str = "",
+        rekey: HashConfig | None = None,
+        rekey_mode: RekeyMode = "always",
+        lora_paths: Mapping[str, str] | None = None,
+        media: frozenset[str | None] = DEFAULT_MEDIA,
+        replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
+        probe_ttl_s: float = DEFAULT_PROBE_TTL_S,
+        context: zmq.asyncio.Context | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.replica_id = replica_id
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.model = model
+        self.stats = StreamStats()
+        self._planner = BatchPlanner(replica_id, model, self.stats, rekey=rekey,
+                                     rekey_mode=rekey_mode, lora_paths=lora_paths, media=media)
+        self._tracker = SequenceTracker(replica_id, self.stats,
+                                        has_replay=replay_endpoint is not None)
+        self._index = index
+        self._topic = topic.encode()
+        self._probe_ttl_s = probe_ttl_s
+        self._replay_timeout_s = replay_timeout_s
+        self._own_context = context is None
+        self._ctx = context or zmq.asyncio.Context()
+        self._clock = clock
+        self._sub: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._monitor_task: asyncio.Task[None] | None = None
+        # Serialises message handling with mark_stale(), which the gateway calls.
+        self._lock = asyncio.Lock()
+
+    def start(self) -> None:
+        """Connect the SUB socket and start applying events."""
+        if self._task is not None:
+            return
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, _SUB_HWM)
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sub.connect(self.endpoint)  # vLLM binds; ZMQ reconnects by itself after a restart
+        self._sub = sub
+        self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.replica_id}")
+        self._monitor_task = asyncio.create_task(
+            self._watch_connection(), name=f"kv-events-monitor-{self.replica_id}")
+
+    async def stop(self) -> None:
+        """Stop the task and close the sockets (the index keeps its entries)."""
+        for task in (self._task, self._monitor_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._monitor_task = None
+        if self._sub is not None:
+            self._sub.disable_monitor()
+            self._sub.close(linger=0)
+            self._sub = None
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
+        if self._own_context:
+            self._ctx.term()
+
+    @property
+    def rekeying(self) -> bool:
+        """Whether this stream re-keys the replica's blocks with the gateway's settings."""
+        return self._planner.rekeying
+
+    async def mark_stale(self) -> None:
+        """Drop the replica's entries now (it failed health checks); resync on its next event."""
+        async with self._lock:
+            self._tracker.lost_sync()
+            await self._clear(restart=False)
+
+    async def _run(self) -> None:
+        assert self._sub is not None
+        # No deadline on recv: an idle replica legitimately sends nothing. Liveness is
+        # judged by the gateway's health checks and stats.last_received_at.
+        while True:
+            frames = await self._sub.recv_multipart()
+            async with self._lock:
+                try:
+                    await self._on_message(frames)
+                except IndexUnavailable as exc:
+                    # Some of the batch may be missing from the index: resync from the
+                    # replay buffer on the next message, when the index may be back.
+                    self.stats.index_errors += 1
+                    self._tracker.lost_sync()
+                    log.warning("replica %s: index unavailable, will resync: %s",
+                                self.replica_id, exc)
+                except Exception:
+                    # One bad message must not end the subscription; the index may now
+                    # disagree with the replica, so resync as after an index failure.
+                    self._tracker.lost_sync()
+                    log.exception("replica %s: failed to apply a KV-event message, will "
+                                  "resync", self.replica_id)
+
+    async def _watch_connection(self) -> None:
+        assert self._monitor is not None
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._tracker.disconnected()
+
+    async def _on_message(self, frames: list[bytes]) -> None:
+        """One [topic, seq, payload] message: the tracker's plan, performed step by step."""
+        if len(frames) != 3:
+            self.stats.decode_errors += 1
+            return
+        try:
+            seq = parse_seq(frames[1])
+        except EventDecodeError:
+            self.stats.decode_errors += 1
+            return
+        self.stats.last_received_at = self._clock()
+        plan = self._tracker.receive(seq, frames[2])
+        while True:
+            for step in plan.steps:
+                if isinstance(step, Clear):
+                    await self._clear(restart=step.restart)
+                else:
+                    await self._apply(step.seq, step.batch)
+            if plan.replay_from is None:
+                return
+            plan = self._tracker.replayed(await self._replay_from(plan.replay_from))
+
+    async def _clear(self, *, restart: bool) -> None:
+        self._planner.forget(restart=restart)
+        self.stats.clears += 1
+        await self._index.clear_replica(self.replica_id)
+
+    async def _apply(self, seq: int, batch: EventBatch | None) -> None:
+        if batch is not None:
+            plan = self._planner.plan(batch)
+            # One call for the whole batch: the Redis index writes it in one round trip.
+            await self._index.apply(self.replica_id, plan.ops)
+            self.stats.clears += sum(1 for op in plan.ops if op.kind == "clear")
+            for probe in plan.probes:
+                await self._index.put_probe(
+                    probe.salt, self.replica_id, probe.block_size, probe.keys,
+                    probe.token_ids, self._probe_ttl_s, rekeyed=probe.rekeyed)
+            self.stats.batches += 1
+            self.stats.events_applied += plan.applied
+        self._tracker.applied(seq, batch)
+
+    async def _replay_from(self, start: int) -> Mapping[int, bytes]:
+        """The replica's kept batches from `start` on, by seq ({} if the replay failed)."""
+        try:
+            return dict(await self._request_replay(start))
+        except ReplayUnavailable as exc:
+            log.warning("replica %s: %s", self.replica_id, exc)
+            return {}
+
+    async def _request_replay(self, start: int) -> list[tuple[int, bytes]]:
+        """Every batch the replica still keeps from `start` on, as (seq, payload)."""
+        assert self.replay_endpoint is not None
+        # A fresh DEALER per request: a late reply to an abandoned request can then never
+        # be mistaken for the answer to the next one.
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        out: list[tuple[int, bytes]] = []
+        try:
+            dealer.connect(self.replay_endpoint)
+            async with asyncio.timeout(self._replay_timeout_s):
+                await dealer.send_multipart([b"", seq_bytes(start)])
+                while True:
+                    frames = await dealer.recv_multipart()
+                    if len(frames) != 4:
+                        raise ReplayUnavailable(f"malformed replay reply ({len(frames)} frames)")
+                    _, _topic, seq_frame, payload = frames
+                    if seq_frame == END_SEQ:
+                        return out
+                    out.append((parse_seq(seq_frame), payload))
+        except TimeoutError as exc:
+            raise ReplayUnavailable(
+                f"replay from {self.replay_endpoint} did not finish within "
+                f"{self._replay_timeout_s}s"
+            ) from exc
+        except (zmq.ZMQError, EventDecodeError) as exc:
+            raise ReplayUnavailable(f"replay from {self.replay_endpoint} failed: {exc}") from exc
+        finally:
+            dealer.close(linger=0)
+
