@@ -272,8 +272,13 @@ def build_app(config: GatewayConfig, *, tenants: TenantRegistry | None = None,
 
 @contextlib.asynccontextmanager
 async def running_gateway(app: web.Application, host: str, port: int, *,
-                          shutdown_timeout: float = 10.0) -> AsyncIterator[web.AppRunner]:
-    """Serve `app` on host:port until the block exits (handler cancellation on)."""
+                          shutdown_timeout: float = 10.0,
+                          reuse_port: bool = False) -> AsyncIterator[web.AppRunner]:
+    """Serve `app` on host:port until the block exits (handler cancellation on).
+
+    With `reuse_port`, other processes may listen on the same port (SO_REUSEPORT): the
+    kernel spreads new connections over them.
+    """
     # HTTP framing limits, explicit because they are a security property: a request line
     # or header over 8 KiB, or more than 128 headers, is refused with a 400 before any
     # handler runs (as is a request with both Content-Length and Transfer-Encoding).
@@ -282,7 +287,7 @@ async def running_gateway(app: web.Application, host: str, port: int, *,
                            max_field_size=MAX_LINE_BYTES, max_headers=MAX_HEADERS)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, reuse_port=reuse_port).start()
         yield runner
     finally:
         await runner.cleanup()

@@ -52,7 +52,8 @@ def _listen(s: _Section) -> ListenConfig:
     port = s.get("port", _pos_int, d.port)
     if port > 65535:
         raise ConfigError(s.sub("port"), f"must be a TCP port (1-65535), got {port}")
-    out = ListenConfig(host=s.get("host", _str, d.host), port=port)
+    out = ListenConfig(host=s.get("host", _str, d.host), port=port,
+                       workers=s.get("workers", _pos_int, d.workers))
     s.finish()
     return out
 

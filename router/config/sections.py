@@ -38,6 +38,9 @@ class ListenConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
+    # Worker processes sharing the port (SO_REUSEPORT); more than 1 needs a shared
+    # (Redis) index, since each worker would otherwise keep an index of its own.
+    workers: int = 1
 
 
 @dataclass(frozen=True)

@@ -158,6 +158,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--config", metavar="FILE", help="gateway YAML file (see examples/gateway.yaml)")
     g.add_argument("--host", help="listen address (listen.host)")
     g.add_argument("--port", help="listen port (listen.port)")
+    g.add_argument("--workers", help="worker processes sharing the port (listen.workers)")
     g.add_argument("--index", help="'memory' or redis://host:6379/0 (index.backend)")
     g.add_argument("--policy", help=f"routing policy (policy.name): {', '.join(POLICY_NAMES)}")
     g.add_argument(
@@ -186,6 +187,7 @@ def overrides_from_args(args: argparse.Namespace) -> list[str]:
     for flag, key in (
         ("host", "listen.host"),
         ("port", "listen.port"),
+        ("workers", "listen.workers"),
         ("index", "index.backend"),
         ("policy", "policy.name"),
         ("model_dir", "model_dir"),
