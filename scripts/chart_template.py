@@ -4,11 +4,14 @@
                                      [--validate] [--kube-version 1.27.0] [--lint]
 
 Rendering runs Helm's own Go engine (Helm v4 SDK through the helm-python-sdk wheel), so
-templates, sprig functions and values.schema.json behave exactly as under the `helm`
-binary, which this machine cannot download. `--validate` checks every rendered object
-against the Kubernetes OpenAPI schemas that kubernetes-validate ships (offline, strict:
-an unknown field is an error); objects of kinds without a schema there (CRDs such as
-ServiceMonitor) are listed as unchecked.
+templates, sprig functions and values.schema.json behave as under the `helm` binary,
+in process and without a cluster. The binary itself (helm v3.19.0) is installed into the
+virtualenv by scripts/setup.sh (`helm_binary()`), and tests/charts/test_helm_binary.py
+holds this renderer to it: `helm lint --strict` passes and `helm template` renders the
+same objects, for the default values and every ci/*.yaml. `--validate` checks every
+rendered object against the Kubernetes OpenAPI schemas that kubernetes-validate ships
+(offline, strict: an unknown field is an error); objects of kinds without a schema
+there (CRDs such as ServiceMonitor) are listed as unchecked.
 
 Needs: pip install helm-python-sdk==0.2.2 kubernetes-validate==1.37.0
 """
@@ -28,6 +31,11 @@ CHART = REPO / "charts" / "cacheroute"
 # The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest
 # kubernetes-validate knows: a field must exist in both.
 KUBE_VERSIONS = ("1.27.0", "1.37.0")
+
+
+def helm_binary() -> Path:
+    """The helm binary scripts/setup.sh installs beside this virtualenv's python."""
+    return Path(sys.prefix) / "bin" / "helm"
 
 
 def load_values(files: Iterable[str | Path]) -> dict[str, Any]:
