@@ -13,6 +13,7 @@ replaying vLLM's own generated tokens through the in-process Engine.
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
@@ -168,3 +169,87 @@ def test_calibrate_fits_a_profile_to_real_vllm(vllm_server: Any, tmp_path: Path)
     assert profile.name == "vllm-cpu-tiny"
     assert profile.token_s > 0 or profile.attention_s > 0
     assert profile.prefill_seconds(2048) > profile.prefill_seconds(64)
+
+
+def _post_raw(url: str, path: str, content: bytes) -> httpx.Response:
+    return httpx.post(f"{url}{path}", content=content,
+                      headers={"content-type": "application/json"}, timeout=120)
+
+
+def test_sim_answers_vllms_surface_alike(vllm_server: Any) -> None:
+    """Refusals word for word, batched prompts, the capped budget, cache skipping, and the
+    small endpoints: the same request to vLLM and to a sim of the same model."""
+    rng = random.Random(uuid.uuid4().int)
+    name = vllm_server.served_model_name
+    with SimFleet(1, block_size=vllm_server.block_size, seed=vllm_server.hash.seed,
+                  hash_algo=vllm_server.hash.algo, model_dir=vllm_server.model_dir,
+                  served_model_name=name) as fleet:
+        sim = fleet.replicas[0].url
+        real = vllm_server.url
+        (real_card,) = httpx.get(f"{real}/v1/models", timeout=30).json()["data"]
+        (sim_card,) = httpx.get(f"{sim}/v1/models", timeout=30).json()["data"]
+        assert set(sim_card) == set(real_card)
+        for key in ("id", "object", "owned_by", "root", "parent", "max_model_len"):
+            assert sim_card[key] == real_card[key], key
+        assert set(sim_card["permission"][0]) == set(real_card["permission"][0])
+        limit = int(real_card["max_model_len"])
+        assert httpx.get(f"{sim}/version", timeout=30).json() == httpx.get(
+            f"{real}/version", timeout=30).json()
+
+        def ids(n: int) -> list[int]:
+            return [rng.randrange(100, 3000) for _ in range(n)]
+
+        refused = [
+            json.dumps({"model": name, "prompt": ids(limit + 1), "max_tokens": 1}).encode(),
+            json.dumps({"model": name, "prompt": ids(limit + 7), "max_tokens": 1}).encode(),
+            json.dumps({"model": name, "prompt": ids(limit), "max_tokens": 1}).encode(),
+            json.dumps({"model": name, "prompt": ids(10), "max_tokens": limit + 1}).encode(),
+            json.dumps({"model": name, "prompt": "word " * (limit + 50),
+                        "max_tokens": 1}).encode(),
+            b'{"prompt": [101, 102, 103], "max_tokens": 2, "temperature": NaN}',
+            b'{"prompt": [101, 102, 103], "max_tokens": 2, "top_p": Infinity}',
+            b'{"prompt": [101, 102, 103], "max_tokens": 2, "presence_penalty": -Infinity}',
+            b'{"prompt": [101, 102, 103], "max_tokens": NaN}',
+            b'{"prompt": [101, 102, 103], "max_tokens": 0}',
+        ]
+        for body in refused:
+            got_real = _post_raw(real, "/v1/completions", body)
+            got_sim = _post_raw(sim, "/v1/completions", body)
+            assert (got_sim.status_code, got_sim.json()) == (
+                got_real.status_code, got_real.json()), body[:120]
+
+        # A budget past the context is capped, not refused.
+        near = ids(limit - 5)
+        for url in (real, sim):
+            body = {"model": name, "prompt": near, "max_tokens": 100, "ignore_eos": True,
+                    "temperature": 0}
+            resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+            assert resp["usage"]["completion_tokens"] == 5
+            assert resp["choices"][0]["finish_reason"] == "length"
+
+        # Batched prompts: one choice per prompt, in order, usage summed, last prompt's cache.
+        a, b = ids(70), ids(40)
+        shapes = []
+        for url in (real, sim):
+            httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": b,
+                                                      "max_tokens": 1}, timeout=120)
+            resp = httpx.post(f"{url}/v1/completions", json={
+                "model": name, "prompt": [a, b], "max_tokens": 3, "ignore_eos": True,
+                "temperature": 0, "return_token_ids": True}, timeout=120).json()
+            shapes.append(([c["index"] for c in resp["choices"]],
+                           [c["prompt_token_ids"] for c in resp["choices"]],
+                           [len(c["token_ids"]) for c in resp["choices"]],
+                           # vLLM also dumps its unset usage fields as null: compare numbers.
+                           [resp["usage"][k] for k in ("prompt_tokens", "completion_tokens",
+                                                       "total_tokens")],
+                           resp["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        assert shapes[1] == shapes[0]
+
+        # prompt_logprobs skips reading the cache; /detokenize gives the same text.
+        for url in (real, sim):
+            body = {"model": name, "prompt": a, "max_tokens": 1, "prompt_logprobs": 0}
+            resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+            assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        texts = [httpx.post(f"{url}/detokenize", json={"model": name, "tokens": a[:20]},
+                            timeout=30).json() for url in (real, sim)]
+        assert texts[1] == texts[0]
