@@ -297,7 +297,7 @@ def write_report(out: Path, runs: Sequence[PolicyRun], meta: dict[str, Any],
         lines += ["", *ratio_lines(ratios), ""]
     if repeated:
         lines += ["## Every run", ""]
-        table = markdown_table([{**row, "policy": f"{row['policy']} (round {row['round']})"}
+        table = markdown_table([{**row, "policy": f"{row['policy']} (round {row['round'] + 1})"}
                                 for row in rows])
     else:
         table = markdown_table(rows)

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.compare import add_arguments, parse_policies, run_comparison
-from loadgen.gateway_under_test import config_overrides, gateway_config
+from loadgen.compare import add_arguments, parse_policies, round_order, run_comparison, runnable
+from loadgen.gateway_under_test import config_overrides, gateway_config, gateway_prefill
 from loadgen.harness import HarnessError
 from loadgen.target_fleet import TargetFleet, TargetReplica
 from loadgen.workload_flags import build_workload
+from replica.profiles import load_profile
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -58,6 +59,13 @@ def test_compare_two_policies_end_to_end(tmp_path: Path, tiny_model_dir: Path) -
     md = (out / "report.md").read_text()
     assert "| round_robin |" in md and "| cache_aware |" in md
     assert "index: redis" in md
+    # Configured as a user would: `replica calibrate` against a sim, not its coefficients.
+    profile = comparison.gateway_profile
+    assert profile is not None and profile.choice == "calibrated" and profile.prefill
+    sim = load_profile("h100-llama3.1-8b")
+    assert 0.5 * sim.token_s < profile.prefill["per_token_s"] < 2 * sim.token_s
+    assert profile.prefill != gateway_prefill(sim)
+    assert "gateway profile: calibrated: base_s=" in md
 
 
 def test_gateway_config_exposes_routing_and_names_replicas() -> None:
@@ -71,6 +79,81 @@ def test_gateway_config_exposes_routing_and_names_replicas() -> None:
     assert cfg["replicas"][0]["name"] == "sim-0"
     assert cfg["replicas"][0]["block_size"] == 32
     assert cfg["replicas"][0]["hash_seed"] == "5"
+
+
+def test_default_gateway_profile_leaves_the_gateways_own() -> None:
+    fleet = TargetFleet([TargetReplica("sim-0", "http://127.0.0.1:1", None, None)],
+                        block_size=16, blocks_per_replica=10, max_model_len=512,
+                        stop=lambda: None)
+    cfg = gateway_config("cache_aware", fleet, 9000, "memory", Path("/m"), 0, None)
+    assert "prefill" not in cfg["policy"]
+    exact = gateway_prefill(load_profile("h100-llama3.1-8b"))
+    assert exact["per_token_context_s"] == load_profile("h100-llama3.1-8b").attention_s
+
+
+def test_peers_are_named_and_smg_is_skipped_on_token_ids_with_a_reason() -> None:
+    tokens = _args("--out", "x", "--policies", "cache_aware", "--vllm-router", "kv_aware",
+                   "--smg", "cache_aware,prefix_hash")
+    policies = parse_policies(tokens)
+    assert policies == ["cache_aware", "vllm-router:kv_aware", "smg:cache_aware",
+                        "smg:prefix_hash"]
+    keep, skipped = runnable(policies, tokens.api)
+    assert keep == ["cache_aware", "vllm-router:kv_aware"]
+    assert len(skipped) == 2
+    assert all("refuses token-id prompts" in s and "--api chat" in s for s in skipped)
+    keep, skipped = runnable(policies, "chat")
+    assert keep == policies and skipped == []
+    # auto adds SMG only where it can run: chat traffic.
+    auto = _args("--out", "x", "--policies", "cache_aware", "--vllm-router", "none")
+    assert parse_policies(auto) == ["cache_aware"]
+    chat = _args("--out", "x", "--policies", "cache_aware", "--vllm-router", "none",
+                 "--api", "chat")
+    assert parse_policies(chat) == ["cache_aware", "smg:cache_aware", "smg:prefix_hash"]
+    with pytest.raises(SystemExit, match="unknown policy 'sglang:x'"):
+        parse_policies(_args("--out", "x", "--policies", "sglang:x"))
+
+
+def test_rounds_rotate_the_policy_order() -> None:
+    policies = ["a", "b", "c"]
+    assert [round_order(policies, r) for r in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+
+
+def test_chat_agent_through_smg_and_ours_over_two_rounds(tmp_path: Path,
+                                                        tiny_model_dir: Path) -> None:
+    out = tmp_path / "report"
+    args = _args(
+        "--replicas", "2", "--policies", "cache_aware", "--vllm-router", "none",
+        "--smg", "cache_aware", "--api", "chat", "--repeats", "2",
+        "--gateway-profile", "exact", "--index", "memory", "--workload", "agent",
+        "--conversations", "2", "--turns", "2", "--instruction-tokens", "64", "--tools", "2",
+        "--tool-tokens", "24", "--question-tokens", "16", "--answer-tokens", "4",
+        "--concurrency", "2", "--kv-tokens", "4096", "--max-model-len", "2048",
+        "--model-dir", str(tiny_model_dir), "--out", str(out), "--deadline-s", "60",
+        "--warmup", "2", "--no-plots")
+    comparison = run_comparison(args)
+    assert comparison.skipped == []
+    runs = [(r.policy, r.round) for r in comparison.runs]
+    assert runs == [("cache_aware", 0), ("smg:cache_aware", 0),
+                    ("smg:cache_aware", 1), ("cache_aware", 1)]
+    data = json.loads((out / "results.json").read_text())
+    for row in data["policies"]:
+        assert row["completed"] == 4 and row["errors"] == 0, row
+        # Every request reached a sim, counted at the sims themselves (SMG names none).
+        assert sum(row["requests_per_replica"].values()) == 4
+        assert row["prompt_tokens"] > 4 * (64 + 2 * 24)  # the tools' JSON comes on top
+        assert row["answers_substituted"] == 0
+    smg = [row for row in data["policies"] if row["policy"] == "smg:cache_aware"]
+    assert len(smg) == 2 and all(row["cached_tokens"] > 0 for row in smg)
+    assert [a["policy"] for a in data["over_rounds"]] == ["cache_aware", "smg:cache_aware"]
+    ratios = data["ratios_against_best_peer"]
+    assert ratios["ttft_p50_s"]["best_peer"] == "smg:cache_aware"
+    # The oracle replays the chat prompts as the replicas tokenized them (template, tools).
+    assert data["policies"][0]["oracle_unlimited_hit_rate"] > 0
+    md = (out / "report.md").read_text()
+    assert "| smg:cache_aware | 2 |" in md
+    assert "gateway profile: exact" in md
+    assert "api: chat: messages (and tools)" in md
 
 
 def test_policy_set_overrides_the_gateway_policy() -> None:

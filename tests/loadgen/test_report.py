@@ -98,3 +98,21 @@ def test_replica_counts_stand_in_when_the_router_names_no_replica() -> None:
     assert row["requests_per_replica"] == {"r0": 1, "r1": 3}
     assert row["imbalance_max_over_mean"] == pytest.approx(1.5)
     assert row["predicted_cached_tokens"] is None
+
+
+def test_repeated_rounds_lead_with_medians_spreads_and_peer_ratios(tmp_path: Path) -> None:
+    runs = [PolicyRun("cache_aware", _run(), ["r0", "r1"], round=0),
+            PolicyRun("vllm-router:kv_aware", _run(), ["r0", "r1"], round=0),
+            PolicyRun("cache_aware", _run(), ["r0", "r1"], round=1),
+            PolicyRun("vllm-router:kv_aware", _run(), ["r0", "r1"], round=1)]
+    files = write_report(tmp_path / "out", runs, {"workload": "test"}, plots=False)
+    data = json.loads(files.results_json.read_text())
+    assert [a["policy"] for a in data["over_rounds"]] == ["cache_aware", "vllm-router:kv_aware"]
+    assert data["over_rounds"][0]["ttft_p50_s"]["median"] == pytest.approx(0.035)
+    assert data["ratios_against_best_peer"]["ttft_p50_s"]["ratio"] == pytest.approx(1.0)
+    assert sorted(data["requests"]) == ["cache_aware", "cache_aware@round1",
+                                        "vllm-router:kv_aware", "vllm-router:kv_aware@round1"]
+    md = files.table_md.read_text()
+    assert "| cache_aware | 2 | 35.0 (35.0-35.0) |" in md
+    assert "cache_aware TTFT p50: 1.00x of the best peer's" in md
+    assert "| cache_aware (round 2) |" in md
