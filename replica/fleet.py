@@ -70,7 +70,7 @@ class SimFleet:
                  hash_algo: str = "sha256", seed: str | None = "0",
                  model_dir: str | Path | None = None, served_model_name: str | None = None,
                  extra_args: Sequence[str] = (), startup_timeout: float = STARTUP_TIMEOUT_S,
-                 name_prefix: str = "sim") -> None:
+                 name_prefix: str = "sim", crash_on_token: int | None = None) -> None:
         if n < 1:
             raise ValueError("a fleet needs at least one replica")
         self.n = n
@@ -87,6 +87,9 @@ class SimFleet:
             self._base_args += ["--seed", seed]
         if model_dir is not None:
             self._base_args += ["--model", str(model_dir)]
+        if crash_on_token is not None:
+            # Every replica's engine dies on a prompt holding this token (a poison request).
+            self._base_args += ["--crash-on-token", str(crash_on_token)]
         if served_model_name is not None:
             self._base_args += ["--served-model-name", served_model_name]
         self._base_args += list(extra_args)

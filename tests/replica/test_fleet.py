@@ -71,3 +71,18 @@ async def test_async_fleet() -> None:
             assert (await client.get(f"{fleet.urls[0]}/health")).status_code == 200
         proc = fleet.replicas[0].proc
     assert proc.poll() is not None
+
+
+def test_a_poison_prompt_costs_one_replica_and_restart_brings_it_back() -> None:
+    with SimFleet(2, block_size=32, num_blocks=129, crash_on_token=7) as fleet:
+        a, b = fleet.replicas
+        poisoned = httpx.post(f"{a.url}/v1/completions",
+                              json={"prompt": [5, 6, 7, 8], "max_tokens": 1}, timeout=10)
+        assert poisoned.status_code == 500
+        assert poisoned.json()["error"]["message"].startswith("EngineCore encountered an issue")
+        assert a.proc.wait(timeout=15) == 1  # the engine's death ends the process
+        assert not _healthy(a.url)
+        assert _prompt(b.url, [5, 6, 8])["usage"]["prompt_tokens"] == 3  # b is untouched
+        fleet.restart(0)
+        assert _healthy(fleet.replicas[0].url)
+        assert _prompt(fleet.replicas[0].url, [5, 6, 8])["usage"]["prompt_tokens"] == 3
