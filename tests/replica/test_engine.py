@@ -12,7 +12,14 @@ from typing import Any
 
 import pytest
 
-from replica.engine import Engine, EngineConfig, EngineRequest, RequestRejected, run_requests
+from replica.engine import (
+    Engine,
+    EngineConfig,
+    EngineDead,
+    EngineRequest,
+    RequestRejected,
+    run_requests,
+)
 from replica.profiles import UNIT, load_profile
 from router.hashing import HashConfig
 from router.kv_events import BlockStored
@@ -174,6 +181,23 @@ def test_rejections_use_vllms_messages() -> None:
     engine.add_request(EngineRequest("c", _tokens(1, 100), 500))  # clamped to 28, not refused
     (c,) = engine.run_until_idle()
     assert len(c.output_token_ids) == 28
+
+
+def test_a_poisoned_prompt_kills_the_engine_when_scheduled() -> None:
+    engine = Engine(_config(crash_on_token=7))
+    engine.add_request(EngineRequest("ok", _tokens(1, 40), 50))
+    engine.step()  # the healthy request is running
+    engine.add_request(EngineRequest("bad", [1, 2, 7, 3], 1))  # queued: nothing dies yet
+    with pytest.raises(EngineDead, match=r"request bad holds token id 7"):
+        engine.step()
+    # Dead for good: no step, no new request, whatever it holds.
+    with pytest.raises(EngineDead):
+        engine.step()
+    with pytest.raises(EngineDead):
+        engine.add_request(EngineRequest("later", _tokens(2, 10), 1))
+    # Without the flag, the same prompt is just a prompt.
+    (done,) = run_requests(_config(), [EngineRequest("bad", [1, 2, 7, 3], 1)])[0]
+    assert done.finish_reason == "length"
 
 
 def test_model_len_beyond_pool_refuses_to_start() -> None:
