@@ -18,6 +18,10 @@ from pathlib import Path
 
 from loadgen import compare
 from loadgen.driver import Driver, DriverConfig, RunResult
+from loadgen.gateway_under_test import GatewayProfile, gateway
+from loadgen.harness import MODEL_NAME
+from loadgen.peers import VLLM_ROUTER, peer_router
+from loadgen.target_fleet import ensure_model_dir, start_sim_fleet
 from loadgen.workloads import RandomWorkload
 
 
@@ -30,7 +34,7 @@ def _row(name: str, result: RunResult) -> str:
 
 async def _drive(url: str, requests: int, prompt: int, concurrency: int) -> RunResult:
     workload = RandomWorkload(requests=requests, input_tokens=prompt, output_tokens=2)
-    return await Driver(DriverConfig(base_url=url, model=compare.MODEL_NAME,
+    return await Driver(DriverConfig(base_url=url, model=MODEL_NAME,
                                      concurrency=concurrency, deadline_s=120)).run(workload)
 
 
@@ -46,20 +50,23 @@ def main() -> None:
     args = cargs.parse_args(["--out", "unused", "--replicas", "1", "--prefill-profile",
                              "instant", "--kv-tokens", "65536", "--max-model-len", "8192",
                              "--index", "memory"])
-    args.model_dir = compare.ensure_model_dir(Path(args.model_dir))
-    fleet = compare.start_sim_fleet(args)
+    args.model_dir = ensure_model_dir(Path(args.model_dir))
+    fleet = start_sim_fleet(args)
+    # The gateway's own prefill profile: with an instant sim every profile routes alike.
+    profile = GatewayProfile("default", None)
     rows: list[tuple[str, RunResult]] = []
     try:
         rows.append(("driver -> sim", asyncio.run(
             _drive(fleet.replicas[0].url, n, prompt, conc))))
         with tempfile.TemporaryDirectory() as tmp:
             fleet.reset_caches()
-            with compare.gateway("round_robin", fleet, "memory", args, Path(tmp)) as url:
+            with gateway("round_robin", fleet, "memory", profile, args, Path(tmp)) as url:
                 rows.append(("driver -> gateway -> sim", asyncio.run(
                     _drive(url, n, prompt, conc))))
-            if compare.vllm_router_binary():
+            if VLLM_ROUTER.executable():
                 fleet.reset_caches()
-                with compare.vllm_router("round_robin", fleet, Path(tmp)) as url:
+                with peer_router(VLLM_ROUTER, "round_robin", fleet, args.model_dir,
+                                 Path(tmp)) as url:
                     rows.append(("driver -> vllm-router -> sim", asyncio.run(
                         _drive(url, n, prompt, conc))))
     finally:

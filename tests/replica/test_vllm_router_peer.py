@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from replica.fleet import RunningReplica, SimFleet, free_port
+from replica.fleet import RunningReplica, SimFleet
+from replica.processes import free_port, stop_process, wait_until
 
 ROUTER_BIN = Path(sys.executable).parent / "vllm-router"
 
@@ -46,19 +47,11 @@ def routed_fleet(tiny_model_dir: Path) -> Iterator[tuple[SimFleet, str]]:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
             try:
                 url = f"http://127.0.0.1:{port}"
-                deadline = time.monotonic() + 60
-                while not _healthy(url):
-                    assert proc.poll() is None, "vllm-router exited during start-up"
-                    assert time.monotonic() < deadline, "vllm-router not healthy within 60s"
-                    time.sleep(0.1)  # polling /health against a deadline
+                wait_until(lambda: _healthy(url), 60, "vllm-router to answer /health",
+                           proc=proc)
                 yield fleet, url
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                stop_process(proc)
 
 
 def _healthy(url: str) -> bool:
