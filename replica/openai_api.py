@@ -18,9 +18,6 @@ from typing import Any
 from replica import request_rules as rules
 from replica.engine import EngineDead, EngineRequest, RequestRejected, RequestResult
 
-_CACHE_SALT_MAX = 128
-_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
-
 
 class ApiError(Exception):
     """A client (or engine) error turned into vLLM's {"error": {...}} body at the edge."""
@@ -46,19 +43,6 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
                           "code": self.status}}
-
-
-def validate_cache_salt(value: object) -> str | None:
-    """vLLM's validate_cache_salt: non-empty, at most 128 chars, no '@' '/' '\\' or NUL."""
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise ApiError("Parameter 'cache_salt' must be a non-empty string if provided.",
-                       param="cache_salt")
-    if len(value) > _CACHE_SALT_MAX or any(c in _CACHE_SALT_FORBIDDEN for c in value):
-        raise ApiError("Parameter 'cache_salt' must be at most 128 characters and must not "
-                       "contain '@', '/', '\\\\', or NUL.", param="cache_salt")
-    return value
 
 
 @dataclass(frozen=True)
@@ -164,18 +148,16 @@ def parse_request(model: ModelSurface, body: Any, chat: bool) -> ParsedRequest:
 
 
 def _parse(model: ModelSurface, body: dict[str, Any], chat: bool) -> ParsedRequest:
-    # 1. What pydantic refuses while building vLLM's request object.
+    # 1. What building vLLM's request object refuses: its validators, then pydantic's types.
+    rules.check_request_fields(body, chat)
     rules.non_finite_int_errors(body, chat)
-    salt = validate_cache_salt(body.get("cache_salt"))
+    salt = rules.validate_cache_salt(body.get("cache_salt"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError("stream must be a boolean", param="stream")
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise ApiError("stream_options must be an object", param="stream_options")
-    if opts and not stream:
-        raise ApiError("Stream options can only be defined when `stream=True`.",
-                       param="stream_options")
     n = _int_field(body, "n")
     if n is not None and n != 1:
         raise ApiError("the simulated replica supports only n=1", param="n")

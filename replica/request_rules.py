@@ -3,8 +3,11 @@
 The sim applies them in vLLM's order, so a request vLLM refuses gets the same status, message
 and param here, and one vLLM serves is served with the same max_tokens:
 
-1. pydantic: an integer field holding NaN or +-Infinity (Python's JSON reader accepts
-   them) fails validation ("Input should be a finite number"): `non_finite_int_errors`.
+1. The request model's "before" validators (vllm/entrypoints/openai/*/protocol.py):
+   cache_salt, stream_options, an empty completion prompt, prompt_logprobs with
+   streaming: `check_request_fields`. Then pydantic: an integer field holding NaN or
+   +-Infinity (Python's JSON reader accepts them) fails validation ("Input should be a
+   finite number"): `non_finite_int_errors`.
 2. TokenizeParams.__post_init__ (vllm/renderers/params.py), before tokenization: a
    requested max_tokens larger than max_model_len is refused: `check_max_output_tokens`.
 3. TokenizeParams._text_len_check, then _token_len_check: a prompt longer than
@@ -42,6 +45,8 @@ _SAMPLING_DEFAULTS = {"presence_penalty": 0.0, "frequency_penalty": 0.0,
                       "repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0,
                       "min_p": 0.0}
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+_CACHE_SALT_MAX = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
 
 def validation_error(message: str, parameter: str | None = None,
@@ -54,6 +59,42 @@ def validation_error(message: str, parameter: str | None = None,
         extras.append(f"value={value}")
     text = f"{message} ({', '.join(extras)})" if extras else message
     return RequestRejected(text, parameter)
+
+
+def validate_cache_salt(value: object) -> str | None:
+    """vLLM's validate_cache_salt: non-empty, at most 128 chars, no '@' '/' '\\' or NUL."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise validation_error("Parameter 'cache_salt' must be a non-empty string if provided.",
+                               "cache_salt")
+    if len(value) > _CACHE_SALT_MAX or any(c in _CACHE_SALT_FORBIDDEN for c in value):
+        raise validation_error("Parameter 'cache_salt' must be at most 128 characters and must "
+                               "not contain '@', '/', '\\\\', or NUL.", "cache_salt")
+    return value
+
+
+def check_request_fields(body: dict[str, Any], chat: bool) -> None:
+    """The request model's "before" validators the sim's fields meet, in vLLM's wording."""
+    validate_cache_salt(body.get("cache_salt"))
+    if body.get("stream_options") and not body.get("stream"):
+        raise validation_error("Stream options can only be defined when `stream=True`.",
+                               "stream_options")
+    if not chat and body.get("prompt") in (None, "") and body.get("prompt_embeds") in (None, []):
+        raise validation_error("Either prompt or prompt_embeds must be provided and non-empty.",
+                               "prompt")
+    for name in ("prompt_logprobs", "top_logprobs" if chat else "logprobs"):
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise validation_error(f"`{name}` must be an integer.", name, value)
+    prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is not None:
+        if body.get("stream") and (prompt_logprobs > 0 or prompt_logprobs == -1):
+            raise validation_error("`prompt_logprobs` are not available when `stream=True`.",
+                                   "prompt_logprobs")
+        if prompt_logprobs < 0 and prompt_logprobs != -1:
+            raise validation_error("`prompt_logprobs` must be a positive value or -1.",
+                                   "prompt_logprobs", prompt_logprobs)
 
 
 def _is_non_finite(value: object) -> bool:

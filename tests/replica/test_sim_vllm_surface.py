@@ -194,6 +194,31 @@ def test_non_finite_integers_fail_validation_as_pydantic_words_it(make_fleet: Fl
                          b'"length_penalty": NaN}').status_code == 200
 
 
+@pytest.mark.parametrize(("body", "message", "param"), [
+    ({"prompt": ""}, "Either prompt or prompt_embeds must be provided and non-empty. "
+     "(parameter=prompt)", "prompt"),
+    ({"max_tokens": 3}, "Either prompt or prompt_embeds must be provided and non-empty. "
+     "(parameter=prompt)", "prompt"),
+    ({"prompt": [1, 2], "cache_salt": "a/b"}, "Parameter 'cache_salt' must be at most 128 "
+     "characters and must not contain '@', '/', '\\\\', or NUL. (parameter=cache_salt)",
+     "cache_salt"),
+    ({"prompt": [1, 2], "stream_options": {"include_usage": True}},
+     "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+     "stream_options"),
+    ({"prompt": [1, 2], "prompt_logprobs": 1, "stream": True},
+     "`prompt_logprobs` are not available when `stream=True`. (parameter=prompt_logprobs)",
+     "prompt_logprobs"),
+    ({"prompt": [1, 2], "prompt_logprobs": -3},
+     "`prompt_logprobs` must be a positive value or -1. (parameter=prompt_logprobs, value=-3)",
+     "prompt_logprobs"),
+])
+def test_request_validators_word_errors_as_vllm(make_fleet: Fleet, body: dict[str, Any],
+                                                message: str, param: str) -> None:
+    (sim,) = make_fleet(1).replicas
+    assert _error(_post(sim.url, body)) == {"message": message, "type": "BadRequestError",
+                                            "param": param, "code": 400}
+
+
 # -- prefix-cache skipping -----------------------------------------------------------------
 
 

@@ -211,6 +211,10 @@ def test_sim_answers_vllms_surface_alike(vllm_server: Any) -> None:
             b'{"prompt": [101, 102, 103], "max_tokens": 2, "presence_penalty": -Infinity}',
             b'{"prompt": [101, 102, 103], "max_tokens": NaN}',
             b'{"prompt": [101, 102, 103], "max_tokens": 0}',
+            b'{"prompt": "", "max_tokens": 2}',
+            b'{"prompt": [101, 102], "cache_salt": "a/b"}',
+            b'{"prompt": [101, 102], "prompt_logprobs": 1, "stream": true}',
+            b'{"prompt": [101, 102], "stream_options": {"include_usage": true}}',
         ]
         for body in refused:
             got_real = _post_raw(real, "/v1/completions", body)
