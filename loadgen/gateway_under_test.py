@@ -35,8 +35,10 @@ from replica.profiles import SimCostProfile, load_profile
 
 GATEWAY_PROFILES = ("calibrated", "default", "exact")
 DEFAULT_GATEWAY_PROFILE = "calibrated"
-# Prompt lengths calibrate measures: within the smallest max_model_len compare allows.
-CALIBRATE_LENGTHS = (64, 256, 512, 1024)
+# Prompt lengths calibrate measures (those under the run's max_model_len): up to 8k, so
+# the quadratic (attention) term is measured where it matters, not extrapolated from
+# short prompts where it hides in the noise.
+CALIBRATE_LENGTHS = (64, 256, 1024, 2048, 4096, 8192)
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ def calibrate(url: str, out: Path, max_model_len: int, time_scale: float = 1.0) 
     lengths = [n for n in CALIBRATE_LENGTHS if n < max_model_len - 16]
     proc = subprocess.run(
         [sys.executable, "-m", "replica", "calibrate", "--url", url, "--model", MODEL_NAME,
-         "--lengths", ",".join(map(str, lengths)), "--repeats", "2", "--decode-tokens", "4",
+         "--lengths", ",".join(map(str, lengths)), "--repeats", "3", "--decode-tokens", "4",
          "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     if proc.returncode != 0:

@@ -6,7 +6,7 @@ streamed token as the prefill time, and fits
 
     ttft(n) = base_s + token_s * n + attention_s * n (n + 1) / 2
 
-by least squares (numpy), refitting without any coefficient that came out negative.
+by least squares (numpy) over each length's median TTFT, refitting without any coefficient that came out negative.
 Decode steps of the same requests (the gaps between later tokens) give kv_read_s as the
 slope of the inter-token time over context length. The result prints as JSON and is
 written with --out; `python -m replica sim --prefill-profile FILE` loads it.
@@ -104,9 +104,16 @@ def _nonneg_lstsq(columns: list[np.ndarray], y: np.ndarray) -> list[float]:
 
 
 def fit_profile(samples: Sequence[Sample], name: str = "calibrated") -> SimCostProfile:
-    """Fit the linear + quadratic prefill profile (and kv_read_s from decode gaps)."""
-    n = np.array([s.prompt_tokens for s in samples], dtype=float)
-    y = np.array([s.ttft for s in samples], dtype=float)
+    """Fit the linear + quadratic prefill profile (and kv_read_s from decode gaps).
+
+    The fit runs over each length's median TTFT: one request stalled by a busy machine
+    would otherwise pull every coefficient (least squares weighs outliers squared).
+    """
+    by_length: dict[int, list[float]] = {}
+    for sample in samples:
+        by_length.setdefault(sample.prompt_tokens, []).append(sample.ttft)
+    n = np.array(sorted(by_length), dtype=float)
+    y = np.array([statistics.median(by_length[int(k)]) for k in n], dtype=float)
     base, token, attention = _nonneg_lstsq([np.ones_like(n), n, n * (n + 1) / 2], y)
     kv_read = 0.0
     decodes = [s for s in samples if s.decode_gap is not None]

@@ -59,3 +59,16 @@ def test_profiles_order_cold_prompts_as_the_hardware_would() -> None:
         assert big.prefill_seconds(n) > small.prefill_seconds(n)
         # A cached prefix saves most of a long prompt's first-token time.
         assert small.prefill_seconds(n, cached=n - 200) < small.prefill_seconds(n) / 3
+
+
+def test_calibration_fit_recovers_a_profile_despite_one_stalled_request() -> None:
+    from replica.calibrate import Sample, fit_profile
+
+    truth = H100_LLAMA_8B
+    samples = [Sample(n, truth.prefill_seconds(n), None)
+               for n in (64, 256, 1024, 2048, 4096, 8192) for _ in range(3)]
+    samples[4] = Sample(samples[4].prompt_tokens, samples[4].ttft + 0.5, None)  # a stall
+    fitted = fit_profile(samples)
+    assert fitted.token_s == pytest.approx(truth.token_s, rel=0.05)
+    assert fitted.attention_s == pytest.approx(truth.attention_s, rel=0.05)
+    assert fitted.base_s == pytest.approx(truth.base_s, abs=0.002)
