@@ -19,6 +19,7 @@ Needs: pip install helm-python-sdk==0.2.2 kubernetes-validate==1.37.0
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -36,6 +37,29 @@ KUBE_VERSIONS = ("1.27.0", "1.37.0")
 def helm_binary() -> Path:
     """The helm binary scripts/setup.sh installs beside this virtualenv's python."""
     return Path(sys.prefix) / "bin" / "helm"
+
+
+def helm_template(values_files: Sequence[str | Path] = (), *, chart: Path = CHART,
+                  name: str = "cacheroute", namespace: str = "default",
+                  api_versions: Sequence[str] = (), timeout_s: float = 120) -> list[dict[str, Any]]:
+    """Every object `helm template` (the real binary) renders; HelmTemplateError if it fails.
+
+    `api_versions` are the cluster APIs to assume (`--api-versions`), such as
+    "monitoring.coreos.com/v1/ServiceMonitor": the in-process renderer cannot set them.
+    """
+    cmd = [str(helm_binary()), "template", name, str(chart), "--namespace", namespace]
+    for f in values_files:
+        cmd += ["-f", str(f)]
+    for api in api_versions:
+        cmd += ["--api-versions", api]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    if result.returncode != 0:
+        raise HelmTemplateError(result.stderr.strip())
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+class HelmTemplateError(Exception):
+    """`helm template` refused to render; the message is helm's."""
 
 
 def load_values(files: Iterable[str | Path]) -> dict[str, Any]:

@@ -30,8 +30,9 @@ import chart_template  # noqa: E402
 import chart_values_table  # noqa: E402
 import helm_python as helm  # noqa: E402
 
+import router.cli.indexer  # noqa: E402
+import router.cli.serve  # noqa: E402
 import router.indexer  # noqa: E402
-import router.serve  # noqa: E402
 from replica.vllm_launcher import VllmSettings, vllm_command  # noqa: E402
 from router.app import replica_sources  # noqa: E402
 from router.config import load_config  # noqa: E402
@@ -40,6 +41,7 @@ CHART = REPO / "charts" / "cacheroute"
 CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
 NAMESPACE = "inference"
 RELEASE = "llm"
+SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
 
 Obj = dict[str, Any]
 
@@ -173,22 +175,28 @@ def test_renders_and_every_object_is_valid_kubernetes(values_name: str) -> None:
     assert chart_template.lint(values) == []
 
 
-def test_all_values_exercise_every_kind(all_objs: list[Obj]) -> None:
-    kinds = sorted(o["kind"] for o in all_objs)
+def with_monitoring_crd(values_name: str) -> list[Obj]:
+    """`helm template` (the binary) on a cluster that has the Prometheus Operator's CRDs."""
+    files = [] if values_name == "default" else [CHART / "ci" / values_name]
+    return chart_template.helm_template(files, name=RELEASE, namespace=NAMESPACE,
+                                        api_versions=[SERVICE_MONITOR_API])
+
+
+def test_all_values_exercise_every_kind() -> None:
+    kinds = sorted(o["kind"] for o in with_monitoring_crd("all-values.yaml"))
     assert kinds == sorted([
         "ConfigMap", "Deployment", "Deployment", "HorizontalPodAutoscaler", "NetworkPolicy",
         "NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget", "PodDisruptionBudget",
         "Secret", "Service", "Service", "ServiceMonitor", "ServiceMonitor", "StatefulSet",
     ])
-    redis_kinds = {o["kind"] for o in render(values_file("redis-values.yaml"))}
+    redis_kinds = {o["kind"] for o in with_monitoring_crd("redis-values.yaml")}
     assert {"StatefulSet", "Secret", "ServiceMonitor"} <= redis_kinds
     assert not {"NetworkPolicy", "PodDisruptionBudget"} & redis_kinds
 
 
 @pytest.mark.parametrize("values_name", ["default", "all-values.yaml", "redis-values.yaml"])
 def test_service_monitors_select_a_service_port(values_name: str) -> None:
-    values = {} if values_name == "default" else values_file(values_name)
-    objs = render(values)
+    objs = with_monitoring_crd(values_name)
     monitors = [o for o in objs if o["kind"] == "ServiceMonitor"]
     assert len(monitors) == {"default": 0, "all-values.yaml": 2, "redis-values.yaml": 1}[values_name]
     services = [o for o in objs if o["kind"] == "Service"]
@@ -331,6 +339,8 @@ def test_replica_command_matches_the_launcher(default_objs: list[Obj], all_objs:
             kv_replay_port=merged["vllm"]["kvEvents"]["replayPort"],
             gpu_memory_utilization=merged["vllm"]["gpuMemoryUtilization"],
             served_model_name=merged["model"]["name"], gpu=True,
+            # The indexer subscribes from another pod (the NetworkPolicy admits only it).
+            kv_events_bind_host="*",
         )
         argv, env = vllm_command(settings)
         assert c["command"][1:] == argv[1:3]  # -m vllm.entrypoints.openai.api_server
@@ -455,8 +465,8 @@ def test_gateway_and_indexer_command_lines_parse(values_name: str) -> None:
     values = {} if values_name == "default" else values_file(values_name)
     objs = render(values)
     commands = {c: container(objs, c)["command"] for c in ("gateway", "indexer")}
-    for component, (module, sub) in {"gateway": (router.serve, "serve"),
-                                     "indexer": (router.indexer, "indexer")}.items():
+    for component, (module, sub) in {"gateway": (router.cli.serve, "serve"),
+                                     "indexer": (router.cli.indexer, "indexer")}.items():
         command = commands[component]
         assert command[:4] == ["python", "-m", "router", sub]
         parser = argparse.ArgumentParser()
@@ -465,7 +475,7 @@ def test_gateway_and_indexer_command_lines_parse(values_name: str) -> None:
         assert args.config == f"/etc/cacheroute/{'gateway' if sub == 'serve' else 'indexer'}.yaml"
         assert args.log_level == ("DEBUG" if values_name == "all-values.yaml" else "INFO")
     serve_args = argparse.ArgumentParser()
-    router.serve.add_arguments(serve_args)
+    router.cli.serve.add_arguments(serve_args)
     timeout = serve_args.parse_args(commands["gateway"][4:]).shutdown_timeout
     grace = workload(objs, "gateway")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert timeout < grace
@@ -581,6 +591,15 @@ def test_network_policies_can_be_turned_off() -> None:
     ({"tenants": {"apiKeys": [{"name": "a", "tenant": "t", "existingSecret": "s"}]}}, "/tenants/apiKeys/0"),
     ({"tenants": {"saltSecret": {"value": "short"}}}, "/tenants/saltSecret/value"),
     ({"serviceMonitor": {"interval": "often"}}, "/serviceMonitor/interval"),
+    ({"vllm": {"image": {"tag": ""}}}, "/vllm/image"),
+    ({"vllm": {"image": {"tag": "latest"}}}, "/vllm/image/tag"),
+    ({"gateway": {"image": {"tag": "latest"}}}, "/gateway/image/tag"),
+    ({"redis": {"image": {"tag": "latest"}}}, "/redis/image/tag"),
+    ({"vllm": {"image": {"digest": "sha256:abc"}}}, "/vllm/image/digest"),
+    ({"gateway": {"resources": {"requests": {"cpu": "lots"}}}}, "/gateway/resources/requests/cpu"),
+    ({"vllm": {"resources": {"limits": {"memory": "64 GB"}}}}, "/vllm/resources/limits/memory"),
+    ({"indexer": {"resources": {"requests": {"memory": -1}}}}, "/indexer/resources/requests/memory"),
+    ({"secrets": {"requireExisting": "yes"}}, "/secrets/requireExisting"),
 ])
 def test_schema_rejects_bad_values(values: dict[str, Any], path: str) -> None:
     with pytest.raises(helm.HelmValuesError) as excinfo:
@@ -594,6 +613,10 @@ def test_schema_rejects_bad_values(values: dict[str, Any], path: str) -> None:
     ({"gateway": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}}, "exceeds maxReplicas"),
     ({"modelStorage": {"existingClaim": ""}}, "modelStorage.existingClaim or modelStorage.volume"),
     ({"gateway": {"shutdownTimeoutSeconds": 60}}, "must be below gateway.terminationGracePeriodSeconds"),
+    ({"gateway": {"preStopSleepSeconds": 10}}, "plus gateway.shutdownTimeoutSeconds (50) must be below"),
+    ({"gateway": {"replicaCount": 1}}, "gateway.pdb.minAvailable (1) must be below the gateway's pod count (1"),
+    ({"gateway": {"autoscaling": {"enabled": True, "minReplicas": 2}, "pdb": {"minAvailable": 2}}},
+     "(2: gateway.autoscaling.minReplicas)"),
 ])
 def test_templates_refuse_values_the_schema_cannot_express(values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmError) as excinfo:

@@ -59,8 +59,30 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
+{{/*
+Pod template labels of one component: every label the component's objects carry
+(commonLabels and app.kubernetes.io/* included), so pods are found by the same labels
+as their workload; the selector stays the selector labels alone. Call like selectorLabels.
+*/}}
+{{- define "cacheroute.podLabels" -}}
+{{ include "cacheroute.componentLabels" . }}
+{{- end }}
+
+{{/*
+An image reference: repository, then `:tag` when a tag is set, then `@digest` when a
+digest is set (the digest pins the image; the tag is then only for people reading it).
+Call with (dict "image" .Values.x.image "key" "x.image" "defaultTag" TAG).
+*/}}
+{{- define "cacheroute.image" -}}
+{{- $tag := default .defaultTag .image.tag }}
+{{- if not (or $tag .image.digest) }}
+{{- fail (printf "%s: set a tag or a digest" .key) }}
+{{- end }}
+{{- .image.repository }}{{ with $tag }}:{{ . }}{{ end }}{{ with .image.digest }}@{{ . }}{{ end }}
+{{- end }}
+
 {{- define "cacheroute.gatewayImage" -}}
-{{- printf "%s:%s" .Values.gateway.image.repository (default .Chart.AppVersion .Values.gateway.image.tag) }}
+{{- include "cacheroute.image" (dict "image" .Values.gateway.image "key" "gateway.image" "defaultTag" .Chart.AppVersion) }}
 {{- end }}
 
 {{/* ------------------------------------------------------------ object names */}}
@@ -144,8 +166,11 @@ hash_seed both read. */}}
 
 {{/*
 A value kept in a Secret across upgrades: the given one, else what the Secret already
-holds (lookup; empty under `helm template`), else a fresh one from `generate`.
-Call with (dict "ctx" $ "secret" NAME "key" KEY "given" VALUE "generate" FRESH).
+holds (lookup; empty under `helm template`), else a fresh one from `generate`. With
+secrets.requireExisting a fresh one is refused: `helm template` and GitOps tools such as
+Argo CD render without a cluster, so every render would rotate the value.
+Call with (dict "ctx" $ "secret" NAME "key" KEY "given" VALUE "generate" FRESH
+"value" VALUES_PATH "existing" EXISTING_SECRET_PATH).
 */}}
 {{- define "cacheroute.keptValue" -}}
 {{- if .given }}
@@ -154,10 +179,20 @@ Call with (dict "ctx" $ "secret" NAME "key" KEY "given" VALUE "generate" FRESH).
 {{- $existing := lookup "v1" "Secret" .ctx.Release.Namespace .secret }}
 {{- if and $existing (hasKey ($existing.data | default dict) .key) }}
 {{- index $existing.data .key | b64dec }}
+{{- else if .ctx.Values.secrets.requireExisting }}
+{{- fail (printf "secrets.requireExisting: Secret %s (key %s) is not in the cluster, or lookup cannot see one (helm template, Argo CD): set %s to a Secret you manage, or give %s" .secret .key .existing .value) }}
 {{- else }}
 {{- .generate }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/*
+A checksum of the hash seed's definition, on every pod that reads the seed (replicas,
+gateways, indexer): changing it rolls all of them together, so none keeps an old seed.
+*/}}
+{{- define "cacheroute.seedChecksum" -}}
+{{- toJson .Values.cache.hashSeed | sha256sum }}
 {{- end }}
 
 {{/* --------------------------------------------------------------- redis */}}
