@@ -17,8 +17,9 @@ For each chain length it times one lookup of a chain that replica r0 holds in fu
   (e) mem bisect   MemoryIndex.lookup (the default)
 
 and the latency of RedisIndex.record for the same chain (in another model scope: a
-replica holding entries that expire is walked, see router/index/). Then Redis memory per block
-entry: INFO memory before and after indexing N blocks for one replica, and for more
+replica holding entries that expire is walked, see router/index/). Before those, what
+`RedisIndex.warm` saves (issue #16): a fresh index's first 16 concurrent lookups, cold
+and after warm(). Then Redis memory per block entry: INFO memory before and after indexing N blocks for one replica, and for more
 replicas holding the same blocks. Last, how many KV-event batches per second one
 ReplicaEventStream applies to each backend (real ZMQ on loopback): memory, Redis with a
 batch in one pipelined round trip (RedisIndex.apply), and Redis with one call per
@@ -265,8 +266,51 @@ async def bench_events(url: str, batches: int) -> None:
     print(f"  redis, one round trip per op:     {med['per_op']:8.0f} batches/s")
 
 
+async def first_lookups(url: str, concurrency: int, *, warm: bool) -> tuple[list[float], int]:
+    """Latencies (ms) of a fresh RedisIndex's first `concurrency` concurrent lookups, and
+    how many connections they opened; the script cache flushed first, as after a restart."""
+    chain = list(range(1, 301))
+    seed = RedisIndex.from_url(url)
+    index = RedisIndex.from_url(url)
+    try:
+        await seed.add(MODEL, "r0", chain)
+        await seed.client.script_flush()
+        if warm:
+            await index.warm(concurrency)
+        before = (await seed.client.info("stats"))["total_connections_received"]
+
+        async def one() -> float:
+            t0 = time.perf_counter()
+            await index.lookup(MODEL, chain, deadline_s=10)
+            return (time.perf_counter() - t0) * 1000
+
+        latencies = sorted(await asyncio.gather(*(one() for _ in range(concurrency))))
+        opened = (await seed.client.info("stats"))["total_connections_received"] - before
+        return latencies, int(opened)
+    finally:
+        await seed.close()
+        await index.close()
+
+
+async def bench_first_lookups(url: str, concurrency: int = 16, rounds: int = 3) -> None:
+    print(f"\nfirst {concurrency} concurrent lookups of a fresh gateway's RedisIndex "
+          f"(300 blocks; median of {rounds} interleaved rounds):")
+    results: dict[bool, list[tuple[list[float], int]]] = {False: [], True: []}
+    for _ in range(rounds):
+        for warm in (False, True):
+            results[warm].append(await first_lookups(url, concurrency, warm=warm))
+    for warm, runs in results.items():
+        medians = statistics.median(statistics.median(lat) for lat, _ in runs)
+        worst = statistics.median(lat[-1] for lat, _ in runs)
+        over = statistics.median(sum(x > 10 for x in lat) for lat, _ in runs)
+        opened = statistics.median(n for _, n in runs)
+        print(f"  {'after warm()' if warm else 'cold':>12}: median {medians:6.2f} ms, "
+              f"slowest {worst:6.2f} ms, over 10 ms: {over:.0f}, connections opened: {opened:.0f}")
+
+
 async def main_async(args: argparse.Namespace, url: str) -> None:
     if not args.events_only:
+        await bench_first_lookups(url)
         await bench_lookups(url, args.repeat)
         await bench_memory(url, args.memory_blocks)
     await bench_events(url, args.event_batches)

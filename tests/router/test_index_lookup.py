@@ -1,4 +1,4 @@
-"""The bisecting lookup against the walk, on both backends (router/index.py's docstring).
+"""The bisecting lookup against the walk, on both backends (router/index/__init__.py's docstring).
 
 Keys here are chained as vLLM's are: a key stands for its whole prefix, so chains that
 share a key share everything before it.
