@@ -95,6 +95,13 @@ def check_request_fields(body: dict[str, Any], chat: bool) -> None:
         if prompt_logprobs < 0 and prompt_logprobs != -1:
             raise validation_error("`prompt_logprobs` must be a positive value or -1.",
                                    "prompt_logprobs", prompt_logprobs)
+    top = body.get("top_logprobs" if chat else "logprobs")
+    if top is not None and top < 0 and top != -1:
+        name = "top_logprobs" if chat else "logprobs"
+        raise validation_error(f"`{name}` must be a positive value or -1.", name, top)
+    if chat and top is not None and (top == -1 or top > 0) and not body.get("logprobs"):
+        raise validation_error("when using `top_logprobs`, `logprobs` must be set to true.",
+                               "top_logprobs")
 
 
 def _is_non_finite(value: object) -> bool:

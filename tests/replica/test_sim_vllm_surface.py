@@ -211,6 +211,8 @@ def test_non_finite_integers_fail_validation_as_pydantic_words_it(make_fleet: Fl
     ({"prompt": [1, 2], "prompt_logprobs": -3},
      "`prompt_logprobs` must be a positive value or -1. (parameter=prompt_logprobs, value=-3)",
      "prompt_logprobs"),
+    ({"prompt": [1, 2], "logprobs": -2},
+     "`logprobs` must be a positive value or -1. (parameter=logprobs, value=-2)", "logprobs"),
 ])
 def test_request_validators_word_errors_as_vllm(make_fleet: Fleet, body: dict[str, Any],
                                                 message: str, param: str) -> None:
