@@ -231,3 +231,8 @@ def test_compare_on_a_real_vllm_replica(tmp_path: Path, tiny_model_dir: Path) ->
     assert [r["cached_tokens"] for r in records] == [0, 96, 96, 96, 128, 128]
     assert all(r["answer_from_server"] for r in records)
     assert data["policies"][0]["oracle_unlimited_hit_rate"] == pytest.approx(544 / 888)
+
+
+def test_repeats_below_one_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(HarnessError, match="--repeats must be at least 1, got 0"):
+        run_comparison(_args("--out", str(tmp_path / "o"), "--repeats", "0"))
