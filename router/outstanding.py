@@ -33,7 +33,8 @@ snapshot calls `view`; `now` is always passed in (time.monotonic in the gateway)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 
 # How much one new streamed measurement moves the learned bias (in log space): about the
 # last 10 requests count, so a replica that slows down is noticed within a few seconds of
@@ -42,6 +43,12 @@ BIAS_ALPHA = 0.1
 # The learned bias never leaves [1/4, 4]: beyond that the profile is wrong, not noisy,
 # and the gateway should not trust either the profile or a runaway correction.
 BIAS_MIN, BIAS_MAX = 0.25, 4.0
+# A replica with fewer measurements than this borrows the rest of its bias from its
+# fleet (see `with_prior`): a replica that has served nothing yet (new, or back from an
+# ejection) would otherwise keep the 1.0 it started with while its peers learned that the
+# profile is, say, 4x slow, and look 4x dearer than them for ever, never sent the
+# traffic that would teach it otherwise.
+BIAS_PRIOR_SAMPLES = 5
 
 
 @dataclass
@@ -62,6 +69,7 @@ class WorkView:
     decoding: int = 0  # requests past their first byte, not finished
     mean_prefill_s: float = 0.0  # recent mean predicted prefill of requests sent here
     bias: float = 1.0  # measured / predicted time to first token (learned)
+    samples: int = 0  # streamed first bytes the bias learned from
 
 
 @dataclass
@@ -72,6 +80,7 @@ class OutstandingWork:
     _next: int = 0
     _anchor: float = 0.0  # last measured progress (see module docstring)
     _log_bias: float = 0.0
+    _samples: int = 0
     _mean_prefill_s: float = 0.0
 
     def begin(self, now: float, prefill_s: float, predicted_ttft_s: float, stream: bool) -> int:
@@ -104,6 +113,7 @@ class OutstandingWork:
                 # the remaining error (in log space, so 2x slow and 2x fast weigh alike).
                 self._log_bias += BIAS_ALPHA * math.log(measured / entry.predicted_ttft_s)
                 self._log_bias = min(max(self._log_bias, math.log(BIAS_MIN)), math.log(BIAS_MAX))
+                self._samples += 1
 
     def end(self, token: int, now: float) -> None:
         """The request finished, failed or was cancelled: it no longer loads the replica."""
@@ -133,7 +143,29 @@ class OutstandingWork:
             wait = max(0.0, anchor + bias * sum(e.prefill_s for e in pending) - now)
         return WorkView(wait_s=wait, pending=len(pending),
                         decoding=len(self._entries) - len(pending),
-                        mean_prefill_s=self._mean_prefill_s, bias=bias)
+                        mean_prefill_s=self._mean_prefill_s, bias=bias, samples=self._samples)
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def fleet_bias(views: Iterable[WorkView]) -> float:
+    """The median bias of the replicas that have learned one (1.0 if none has)."""
+    learned = sorted(v.bias for v in views if v.samples >= BIAS_PRIOR_SAMPLES)
+    if not learned:
+        return 1.0
+    mid = len(learned) // 2
+    return learned[mid] if len(learned) % 2 else math.sqrt(learned[mid - 1] * learned[mid])
+
+
+def with_prior(view: WorkView, prior: float) -> WorkView:
+    """`view` with its bias blended toward the fleet's while it has few measurements.
+
+    Blended in log space by sample count, so the replica's own measurements take over
+    as they arrive; its queue, already scaled by its own bias, is rescaled to match.
+    """
+    if view.samples >= BIAS_PRIOR_SAMPLES:
+        return view
+    own = view.samples / BIAS_PRIOR_SAMPLES
+    bias = math.exp(own * math.log(view.bias) + (1 - own) * math.log(prior))
+    return replace(view, bias=bias, wait_s=view.wait_s * bias / view.bias)

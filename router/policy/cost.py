@@ -5,7 +5,7 @@
     prefill   = bias * (base_s + per_token_s * uncached
                         + per_token_context_s * uncached * num_prompt_tokens)
     work      = queued_prefill_s                             # ours, ahead of it (outstanding.py)
-              + bias * external_waiting * typical_prefill     # others' waiting requests
+              + max(0, bias * external_waiting * typical_prefill - scrape_age_s)  # others'
     decode    = bias * (decoding + external_running) * per_token_s * steps
     steps     = max(1, ceil(uncached / prefill_chunk_tokens))
     load      = max(inflight, running + waiting)
@@ -53,7 +53,9 @@ class TtftEstimate:
     queue_s: float
     hot_s: float
     prefill_s: float
-    profile_prefill_s: float = 0.0  # prefill_s before the replica's learned bias
+    # What this request adds to the replica's queue: its prefill before the learned bias,
+    # less the per-step base (requests queued together share steps, and each step's base).
+    queued_work_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -86,9 +88,14 @@ def estimate_ttft(
     bias = replica.bias
     profile_prefill_s = profile.seconds(uncached, n)
     prefill_s = bias * profile_prefill_s
+    queued_work_s = max(0.0, profile_prefill_s - profile.base_s)
 
     typical = replica.mean_prefill_s or profile.seconds(n, n)
-    work_s = replica.queued_prefill_s + bias * replica.external_waiting * typical
+    # Others' waiting requests as the scrape saw them, drained since (first come, first
+    # served, like ours): a scrape up to an interval old must not keep a replica that has
+    # long since served them looking busy.
+    external_s = max(0.0, bias * replica.external_waiting * typical - replica.scrape_age_s)
+    work_s = replica.queued_prefill_s + external_s
     steps = max(1, -(-uncached // max(1, config.prefill_chunk_tokens)))
     decode_s = (bias * (replica.decoding + replica.external_running)
                 * profile.per_token_s * steps)
@@ -105,4 +112,4 @@ def estimate_ttft(
     )
     hot_line = config.hot_ratio * fleet_mean_load + config.hot_slack
     hot_s = config.hot_cost_s * max(0.0, load - hot_line)
-    return TtftEstimate(cached, queue_s, hot_s, prefill_s, profile_prefill_s)
+    return TtftEstimate(cached, queue_s, hot_s, prefill_s, queued_work_s)

@@ -103,7 +103,7 @@ class Policy:
                 {rid: e.cached_tokens for rid, e in estimates.items()}
             ),
             predicted_work=MappingProxyType(
-                {rid: (e.profile_prefill_s, e.total_s) for rid, e in estimates.items()}
+                {rid: (e.queued_work_s, e.total_s) for rid, e in estimates.items()}
             ),
         )
 

@@ -119,6 +119,7 @@ class ReplicaState:
     external_running: int = 0
     mean_prefill_s: float = 0.0
     bias: float = 1.0
+    scrape_age_s: float = 0.0  # how old the scraped running/waiting are
 
     @property
     def load(self) -> int:
@@ -146,7 +147,8 @@ class RoutingDecision:
     relaxed: tuple[str, ...] = ()
     costs: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     predicted_cached: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    # replica id -> (predicted prefill seconds by its profile, predicted TTFT seconds):
-    # what the proxy enters in the replica's outstanding-work account when it sends there.
+    # replica id -> (the prefill work it queues there, by the profile, less the per-step
+    # base; predicted TTFT seconds): what the proxy enters in the replica's
+    # outstanding-work account when it sends there.
     predicted_work: Mapping[str, tuple[float, float]] = field(
         default_factory=lambda: MappingProxyType({}))

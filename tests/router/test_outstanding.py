@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from router.outstanding import BIAS_ALPHA, BIAS_MAX, OutstandingWork
+from router.outstanding import (
+    BIAS_ALPHA,
+    BIAS_MAX,
+    BIAS_PRIOR_SAMPLES,
+    OutstandingWork,
+    fleet_bias,
+    with_prior,
+)
 
 
 def test_idle_replica_has_no_wait() -> None:
@@ -105,3 +112,40 @@ def test_mean_prefill_follows_recent_requests() -> None:
     assert work.view(0.0).mean_prefill_s == 1.0
     work.begin(0.0, 0.0, 0.0, stream=True)
     assert work.view(0.0).mean_prefill_s == pytest.approx(1.0 - BIAS_ALPHA)
+
+
+def _learned(bias_ratio: float, n: int) -> OutstandingWork:
+    work = OutstandingWork()
+    for i in range(n):
+        token = work.begin(float(i), 0.1, 0.1 * work.bias, stream=True)
+        work.first_byte(token, i + 0.1 * bias_ratio)
+        work.end(token, i + 0.5)
+    return work
+
+
+def test_an_untried_replica_borrows_its_fleets_bias() -> None:
+    # Two replicas learned the profile is ~4x slow; the third has served nothing (new,
+    # or back from an ejection). On its own 1.0 it would look 4x faster than it is -- or
+    # with peers 4x fast, 4x slower, and never get the traffic to learn otherwise.
+    fast = [_learned(0.25, 80).view(100.0) for _ in range(2)]
+    fresh = OutstandingWork().view(100.0)
+    prior = fleet_bias([*fast, fresh])
+    assert prior == pytest.approx(0.25, rel=0.02)
+    assert with_prior(fresh, prior).bias == pytest.approx(prior)
+    # Its own measurements take over as they come: after 5 it is all its own.
+    own = _learned(1.0, BIAS_PRIOR_SAMPLES).view(100.0)
+    assert with_prior(own, prior) == own
+    partial = _learned(1.0, 2).view(100.0)
+    expected = math.exp(0.4 * math.log(partial.bias) + 0.6 * math.log(prior))
+    assert with_prior(partial, prior).bias == pytest.approx(expected)
+
+
+def test_the_borrowed_bias_rescales_the_queue_too() -> None:
+    work = OutstandingWork()
+    work.begin(0.0, 0.4, 0.4, stream=True)
+    view = work.view(0.0)
+    assert with_prior(view, 0.5).wait_s == pytest.approx(0.2)
+
+
+def test_fleet_bias_is_one_until_some_replica_has_learned() -> None:
+    assert fleet_bias([OutstandingWork().view(0.0), _learned(2.0, 3).view(10.0)]) == 1.0

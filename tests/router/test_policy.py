@@ -402,6 +402,13 @@ def test_other_clients_waiting_requests_cost_the_typical_prefill() -> None:
     fresh = replace(r, mean_prefill_s=0.0)
     assert estimate_ttft(request(), fresh, 3.0, config).queue_s == pytest.approx(
         3 * config.prefill.seconds(PROMPT, PROMPT) + config.load_cost_s * 3)
+    # What the scrape saw has been draining since: 0.5 s later, 0.1 s of it is left.
+    aged = replace(r, scrape_age_s=0.5)
+    assert estimate_ttft(request(), aged, 3.0, config).queue_s == pytest.approx(
+        0.1 + config.load_cost_s * 3)
+    old = replace(r, scrape_age_s=2.0)
+    assert estimate_ttft(request(), old, 3.0, config).queue_s == pytest.approx(
+        config.load_cost_s * 3)
 
 
 def test_decoding_sequences_share_every_prefill_step() -> None:
@@ -419,7 +426,8 @@ def test_learned_bias_scales_prefill_and_the_others_queue() -> None:
                         mean_prefill_s=0.1)
     est = estimate_ttft(request(), slow, 1.0, config)
     assert est.prefill_s == pytest.approx(2.0 * config.prefill.seconds(PROMPT, PROMPT))
-    assert est.profile_prefill_s == pytest.approx(config.prefill.seconds(PROMPT, PROMPT))
+    assert est.queued_work_s == pytest.approx(
+        config.prefill.seconds(PROMPT, PROMPT) - config.prefill.base_s)
     assert est.queue_s == pytest.approx(2.0 * 0.1 + config.load_cost_s)
 
 
@@ -427,6 +435,7 @@ def test_decision_carries_each_replicas_predicted_work_for_the_proxy() -> None:
     config = PolicyConfig()
     states = [ReplicaState("r0", block_size=16, matched_blocks=FULL), ReplicaState("r1", block_size=16)]
     d = policy().decide(request(), states)
-    assert d.predicted_work["r0"][0] == pytest.approx(config.prefill.seconds(16, PROMPT))
-    assert d.predicted_work["r1"][0] == pytest.approx(config.prefill.seconds(PROMPT, PROMPT))
+    base = config.prefill.base_s  # shared by requests prefilled in one step: not queued
+    assert d.predicted_work["r0"][0] == pytest.approx(config.prefill.seconds(16, PROMPT) - base)
+    assert d.predicted_work["r1"][0] == pytest.approx(config.prefill.seconds(PROMPT, PROMPT) - base)
     assert d.predicted_work["r0"][1] == pytest.approx(d.costs["r0"])
