@@ -1,26 +1,37 @@
-"""What the gateway costs: added latency per prompt size, and routed requests per second.
+"""What the gateway adds to a request, where that time goes, and routed requests per second.
 
-    .venv/bin/python benchmarks/bench_gateway.py [--sizes 1024,8192,32768,131072] [--repeats 20]
+    .venv/bin/python benchmarks/bench_gateway.py [--rounds 5] [--per-round 12]
+        [--model-dir DIR] [--cold-sizes 8192] [--seconds 5]
 
-Side by side, in one run, against the same simulated replicas (instant profile, so the
-replica itself costs next to nothing and the gateway's work is what shows):
+Three requests, as issue #13 sets their targets: an 8k-token token-id prompt, cold (a
+fresh first block, so every block is new); a conversation growing 256 tokens a turn at
+8k (token ids); a chat's next turn at 8k (rendered with the tiny model's template and
+tokenized as the replica will). Replicas are simulated with the instant profile, so the
+replica costs next to nothing and what the routers add is what shows.
 
-1. Added latency: p50/p99 of a non-streamed /v1/completions (token-id prompt, max_tokens
-   1) sent to the replica directly and through each router, per prompt size. Every
-   request has a fresh prompt (its first token differs), so the gateway hashes every
-   block: the cold case. The gateway's tokenize+hash time per size is printed too: it is
-   how long the event loop would stall per request without the thread pool.
-2. Throughput: routed requests/s with 64 concurrent clients and 256-token prompts.
+1. Where the gateway's time goes, per request: the gateway's own functions, called in
+   request order in this process (parse, validate, tokenize, hash, lookup against a
+   memory index, decide, serialize the forwarded body); the median CPU time of each
+   (thread time: on a shared machine, wall time mostly measures the neighbours).
+2. Added latency end to end: the same requests sent to replica 0 directly, through
+   cacheroute (`python -m router serve`, memory index fed by KV events) and through
+   vllm-router 0.1.17 (cache_aware, kv_aware; when installed in this environment),
+   interleaved request by request, over --rounds rounds (each target its own
+   conversation each round; its first request is the warm-up and not counted). Per round
+   the p50 of each target minus direct's p50; printed as the median over rounds and the
+   spread (min..max). "proxy+HTTP" is cacheroute's added p50 minus its in-process stages:
+   the HTTP server and client, the event loop, the upstream connection.
+3. Routed requests/s with 64 concurrent clients and 256-token prompts (--seconds 0 skips).
 
-Routers: cacheroute (`python -m router serve`, memory index fed by KV events) and, when
-vllm-router is installed in this environment, vllm-router 0.1.17 with cache_aware and
-kv_aware (fed by the same KV events). Every router and replica is a separate process.
+Every router and replica is a separate process. --model-dir defaults to a tiny model
+built into a temporary directory (python -m replica tiny-model).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import shutil
@@ -31,6 +42,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,11 +55,149 @@ sys.path.insert(0, str(REPO))
 
 from replica.fleet import SimFleet  # noqa: E402
 from replica.processes import free_port, stop_process, wait_until  # noqa: E402
+from router.config import LimitsConfig, TenantsConfig  # noqa: E402
 from router.hashing import HashConfig  # noqa: E402
-from router.routing import ChainCache  # noqa: E402
+from router.index import MemoryIndex  # noqa: E402
+from router.policy.pipeline import build_policy  # noqa: E402
+from router.policy.types import PolicyConfig, RoutingRequest  # noqa: E402
+from router.replicas import Replica, ReplicaSource  # noqa: E402
+from router.request import decode_body, upstream_payload, validate_body  # noqa: E402
+from router.routing import ChainCache, lookup_matches, prompt_tokens, snapshot  # noqa: E402
+from router.tenants import TenantRegistry  # noqa: E402
+from router.tokenize import PromptTokenizer  # noqa: E402
 
 BLOCK_SIZE = 16
 MODEL = "sim"
+MAX_MODEL_LEN = 65536
+TURN_TOKENS = 256
+VOCAB = 3000  # token ids stay inside the tiny model's vocabulary (3,389): the sims check
+WORDS = "the quick brown fox jumps over a lazy dog near five old wells "
+
+
+# ---------------------------------------------------------------------- the requests
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A kind of request: `conversation(rng)` yields its successive bodies."""
+
+    name: str
+    path: str
+    conversation: Callable[[random.Random], Iterator[dict[str, Any]]]
+
+    @property
+    def endpoint(self) -> str:
+        return "chat" if self.path.endswith("chat/completions") else "completions"
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, VOCAB) for _ in range(n)]
+
+
+def cold(size: int) -> Scenario:
+    def bodies(rng: random.Random) -> Iterator[dict[str, Any]]:
+        tail = [(i * 7919) % (VOCAB - 10) + 10 for i in range(size - BLOCK_SIZE)]
+        while True:  # a random first block makes every block's key new (keys chain)
+            yield {"model": MODEL, "prompt": [*_ids(rng, BLOCK_SIZE), *tail], "max_tokens": 1}
+    return Scenario(f"token ids {size // 1024}k cold", "/v1/completions", bodies)
+
+
+def growing(size: int) -> Scenario:
+    def bodies(rng: random.Random) -> Iterator[dict[str, Any]]:
+        history = _ids(rng, size)
+        while True:
+            yield {"model": MODEL, "prompt": list(history), "max_tokens": 1}
+            history += _ids(rng, TURN_TOKENS)
+    return Scenario(f"token ids growing at {size // 1024}k", "/v1/completions", bodies)
+
+
+def chat(size: int, tokenizer: PromptTokenizer) -> Scenario:
+    system = [{"role": "system", "content": "Be brief. " * 20}]
+    pair_tokens = len(tokenizer.chat_tokens({"messages": [*system,
+        {"role": "user", "content": WORDS * 8}, {"role": "assistant", "content": WORDS * 8}]}))
+    pairs = max(1, size // max(1, pair_tokens - len(tokenizer.chat_tokens({"messages": system}))))
+
+    def bodies(rng: random.Random) -> Iterator[dict[str, Any]]:
+        tag = rng.randrange(10**9)  # distinct per conversation: nothing shared across them
+        messages: list[dict[str, str]] = [{"role": "system", "content": f"{tag}. " + "Be brief. " * 20}]
+        for i in range(pairs):
+            messages += [{"role": "user", "content": f"{i}: {WORDS * 8}"},
+                         {"role": "assistant", "content": f"{i}: {WORDS * 8}"}]
+        turn = 0
+        while True:
+            question = {"role": "user", "content": f"and then, {turn}?"}
+            yield {"model": MODEL, "messages": [*messages, question], "max_tokens": 1}
+            messages += [question, {"role": "assistant", "content": f"{turn}: {WORDS}"}]
+            turn += 1
+    return Scenario(f"chat next turn at {size // 1024}k", "/v1/chat/completions", bodies)
+
+
+# ------------------------------------------------------------- 1. where the time goes
+
+STAGES = ("parse", "validate", "tokenize", "hash", "lookup", "decide", "serialize")
+
+
+async def stage_profile(scenario: Scenario, tokenizer: PromptTokenizer, requests: int,
+                        ) -> tuple[dict[str, float], float]:
+    """Median seconds per stage over `requests` (after one warm-up), and blocks hashed
+    per request."""
+    config = HashConfig(block_size=BLOCK_SIZE, seed="0")
+    registry = TenantRegistry.from_config(TenantsConfig(allow_anonymous=True))
+    tenant = registry.identify(None)
+    chains, index = ChainCache(), MemoryIndex()
+    policy = build_policy(PolicyConfig(name="cache_aware", seed=1))
+    fleet = [Replica(target=ReplicaSource(name=f"r{i}", url=f"http://127.0.0.1:{9000 + i}",
+                                          models=(MODEL,), hash_config=config).target(),
+                     healthy=True) for i in range(2)]
+    members = {config: {r.replica_id for r in fleet}}
+    times: dict[str, list[float]] = {stage: [] for stage in STAGES}
+    hashed: list[int] = []
+    bodies = scenario.conversation(random.Random(7))
+    for n in range(requests + 1):
+        raw = json.dumps(next(bodies)).encode()
+        before = chains.hashed_blocks
+        t0 = time.thread_time()
+        body = decode_body(raw)
+        t1 = time.thread_time()
+        parsed = validate_body(body, raw, scenario.endpoint, served_models={MODEL},
+                               limits=LimitsConfig(), tenant=tenant, registry=registry)
+        t2 = time.thread_time()
+        tokens = prompt_tokens(tokenizer, parsed) or []
+        t3 = time.thread_time()
+        keys = tuple(chains.event_keys(config, tokens, parsed.cache_salt))
+        t4 = time.thread_time()
+        lookup = await lookup_matches(index, MODEL, {config: keys}, members, 0.05)
+        t5 = time.thread_time()
+        states = [snapshot(r, lookup.matches.get(r.replica_id, 0), time.monotonic())
+                  for r in fleet]
+        policy.decide(RoutingRequest(model=MODEL, keys=keys, num_prompt_tokens=len(tokens)),
+                      states)
+        t6 = time.thread_time()
+        upstream_payload(parsed, want_token_ids=False)
+        t7 = time.thread_time()
+        if n == 0:
+            continue  # the conversation's first request: caches cold
+        for stage, seconds in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4,
+                                           t6 - t5, t7 - t6), strict=True):
+            times[stage].append(seconds)
+        hashed.append(chains.hashed_blocks - before)
+    return {s: statistics.median(v) for s, v in times.items()}, statistics.median(hashed)
+
+
+def print_profile(profiles: dict[str, tuple[dict[str, float], float]]) -> None:
+    print("\n1) where the gateway's time goes per request (CPU ms of the serving thread, median;"
+          " in-process; CPU time, so other processes on a busy machine do not inflate it)")
+    header = f"{'request':<26} | " + " | ".join(f"{s:>9}" for s in STAGES) + \
+        f" | {'total':>7} | blocks hashed"
+    print(header)
+    print("-" * len(header))
+    for name, (stages, hashed) in profiles.items():
+        total = sum(stages.values())
+        print(f"{name:<26} | " + " | ".join(f"{stages[s] * 1000:>9.3f}" for s in STAGES) +
+              f" | {total * 1000:>7.3f} | {hashed:.0f}")
+
+
+# ------------------------------------------------------------------ processes
 
 
 def _ok(url: str) -> bool:
@@ -66,10 +216,10 @@ class Router:
 
 
 def start_process(cmd: list[str], ready_url: str, log_path: Path,
-                  env: dict[str, str] | None = None, timeout: float = 90.0,
+                  env: dict[str, str] | None = None, timeout: float = 90.0, cwd: Path = REPO,
                   ) -> subprocess.Popen[bytes]:
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
                                 env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
     try:
         wait_until(lambda: _ok(ready_url), timeout, f"{cmd[0:4]} to be ready", proc=proc)
@@ -79,10 +229,11 @@ def start_process(cmd: list[str], ready_url: str, log_path: Path,
     return proc
 
 
-def start_cacheroute(fleet: SimFleet, tmp: Path) -> Router:
+def start_cacheroute(fleet: SimFleet, tmp: Path, model_dir: str, repo: Path = REPO) -> Router:
     port = free_port()
     raw: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": port},
+        "models": {MODEL: {"tokenizer": model_dir, "max_model_len": MAX_MODEL_LEN}},
         "replicas": [{"url": r.url, "models": [MODEL], "block_size": BLOCK_SIZE,
                       "hash_seed": "0", "kv_events": r.kv_events_endpoint,
                       "kv_replay": r.replay_endpoint} for r in fleet.replicas],
@@ -95,7 +246,7 @@ def start_cacheroute(fleet: SimFleet, tmp: Path) -> Router:
     path.write_text(yaml.safe_dump(raw))
     proc = start_process([sys.executable, "-m", "router", "serve", "--config", str(path),
                           "--log-level", "WARNING"], f"http://127.0.0.1:{port}/ready",
-                         tmp / "gateway.log")
+                         tmp / "gateway.log", cwd=repo)
     return Router("cacheroute", f"http://127.0.0.1:{port}", proc)
 
 
@@ -119,164 +270,156 @@ def start_vllm_router(fleet: SimFleet, tmp: Path, policy: str) -> Router | None:
     return Router(f"vllm-router {policy}", f"http://127.0.0.1:{port}", proc)
 
 
-def fresh_prompt(rng: random.Random, size: int) -> list[int]:
-    # A random first block makes every block's key new (keys chain from block 0).
-    return [rng.randrange(10, 30000) for _ in range(BLOCK_SIZE)] + \
-        [(i * 7919) % 30000 + 10 for i in range(size - BLOCK_SIZE)]
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> float:
+# ------------------------------------------------------------- 2. added latency, e2e
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, path: str, raw: bytes) -> float:
     started = time.perf_counter()
-    async with session.post(url + "/v1/completions", json={
-            "model": MODEL, "prompt": prompt, "max_tokens": 1}) as resp:
+    async with session.post(url + path, data=raw,
+                            headers={"Content-Type": "application/json"}) as resp:
         await resp.read()
         if resp.status != 200:
-            raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:200]}")
+            raise RuntimeError(f"{url}{path}: HTTP {resp.status}: {(await resp.text())[:200]}")
     return time.perf_counter() - started
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+async def added_latency(targets: list[tuple[str, str]], scenarios: list[Scenario], rounds: int,
+                        per_round: int) -> dict[str, dict[str, list[float]]]:
+    """scenario -> target -> per-round p50 (seconds); targets[0] is the direct baseline."""
+    out: dict[str, dict[str, list[float]]] = {s.name: {t: [] for t, _ in targets} for s in scenarios}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        for round_ in range(rounds):
+            for scenario in scenarios:
+                convs = {name: scenario.conversation(random.Random(f"{round_}-{scenario.name}-{name}"))
+                         for name, _ in targets}
+                seen: dict[str, list[float]] = {name: [] for name, _ in targets}
+                for i in range(per_round + 1):
+                    for name, url in targets:  # interleaved: each target in turn
+                        raw = json.dumps(next(convs[name])).encode()
+                        seconds = await one_request(session, url, scenario.path, raw)
+                        if i:
+                            seen[name].append(seconds)
+                for name, values in seen.items():
+                    out[scenario.name][name].append(statistics.median(values))
+    return out
 
 
-async def latency_table(targets: list[tuple[str, str]], sizes: list[int], repeats: int) -> None:
-    rng = random.Random(1)
-    print("\n1) latency of one non-streamed request (ms; fresh prompt each time, max_tokens 1)")
-    header = f"{'prompt tokens':>13} | {'target':<24} | {'p50':>8} | {'p99':>8} | {'+p50 vs direct':>14}"
+def print_added(results: dict[str, dict[str, list[float]]], direct: str,
+                profiles: dict[str, tuple[dict[str, float], float]]) -> None:
+    print("\n2) added latency end to end (ms): per round p50(target) - p50(direct); "
+          "median over rounds [min..max]")
+    header = f"{'request':<26} | {'target':<24} | {'p50':>8} | {'added p50':>9} | {'spread':>17}"
     print(header)
     print("-" * len(header))
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-        for size in sizes:
-            n = max(5, repeats if size <= 32768 else repeats // 3)
-            prompts = [fresh_prompt(rng, size) for _ in range(n)]
-            results: dict[str, list[float]] = {}
-            for name, url in targets:
-                await one_request(session, url, fresh_prompt(rng, size))  # warm connection
-                # The same prompts for every target, interleaved in time per request.
-                results[name] = []
-            for prompt in prompts:
-                for name, url in targets:
-                    # Perturb per target so no target sees a prompt another already cached.
-                    results[name].append(await one_request(
-                        session, url, [rng.randrange(10, 30000), *prompt[1:]]))
-            base = statistics.median(results[targets[0][0]])
-            for name, _ in targets:
-                p50, p99 = pct(results[name], 0.5), pct(results[name], 0.99)
-                added = "" if name == targets[0][0] else f"{(p50 - base) * 1000:+.2f}"
-                print(f"{size:>13} | {name:<24} | {p50 * 1000:>8.2f} | {p99 * 1000:>8.2f} | {added:>14}")
+    for scenario, by_target in results.items():
+        base = by_target[direct]
+        for name, p50s in by_target.items():
+            if name == direct:
+                print(f"{scenario:<26} | {name:<24} | {statistics.median(p50s) * 1000:>8.2f} |")
+                continue
+            added = [p - b for p, b in zip(p50s, base, strict=True)]
+            med = statistics.median(added)
+            print(f"{scenario:<26} | {name:<24} | {statistics.median(p50s) * 1000:>8.2f} | "
+                  f"{med * 1000:>+9.2f} | {min(added) * 1000:>+7.2f}..{max(added) * 1000:<+7.2f}")
+        if "cacheroute" in by_target and scenario in profiles:
+            inproc = sum(profiles[scenario][0].values())
+            added = statistics.median(p - b for p, b in zip(by_target["cacheroute"], base,
+                                                             strict=True))
+            print(f"{'':<26} | {'cacheroute proxy+HTTP':<24} | {'':>8} | "
+                  f"{(added - inproc) * 1000:>+9.2f} | (added - in-process stages)")
 
 
-def tokenize_hash_table(sizes: list[int]) -> None:
-    """Tokenize+hash cost per request: what would block the loop without the thread pool."""
-    print("\n   gateway work per request off the event loop (sha256 block keys, block 16):")
-    config = HashConfig(block_size=BLOCK_SIZE, seed="0")
-    rng = random.Random(2)
-    ChainCache().event_keys(config, fresh_prompt(rng, 1024), "warm-up")  # imports, caches
-    for size in sizes:
-        prompt = fresh_prompt(rng, size)
-        cache = ChainCache()
-        t = time.perf_counter()
-        cache.event_keys(config, prompt, "salt")
-        cold = time.perf_counter() - t
-        grown = [*prompt, *range(100, 100 + 200)]
-        t = time.perf_counter()
-        cache.event_keys(config, grown, "salt")
-        warm = time.perf_counter() - t
-        print(f"   {size:>7} tokens: {cold * 1000:8.2f} ms cold, {warm * 1000:6.2f} ms for the "
-              f"next turn (+200 tokens, history from the chain cache)")
+# ------------------------------------------------------------------- 3. throughput
 
 
-def chat_tokenize_table(model_dir: str, sizes: list[int]) -> None:
-    """Chat render+tokenize time per request (the tiny model's Llama template)."""
-    from router.tokenize import PromptTokenizer
-
-    tok = PromptTokenizer.from_dir(model_dir)
-    print(f"\n   chat render+tokenize ({Path(model_dir).name}), same thread pool:")
-    words = "the quick brown fox jumps over a lazy dog near five old wells "
-    system = [{"role": "system", "content": "Be brief. " * 20}]
-    pair = [{"role": "user", "content": words * 8}, {"role": "assistant", "content": words * 8}]
-    per_pair = len(tok.chat_tokens({"messages": system + pair})) - \
-        len(tok.chat_tokens({"messages": system}))
-    for size in sizes:
-        # Distinct turns (a number in each), so nothing repeats within one history.
-        turns = system + [{"role": m["role"], "content": f"{i}: {m['content']}"}
-                          for i in range(max(1, size // per_pair)) for m in pair]
-        body = {"messages": [*turns, {"role": "user", "content": "and then?"}]}
-        cold = PromptTokenizer.from_dir(model_dir)
-        t = time.perf_counter()
-        n = len(cold.chat_tokens(body))
-        first = time.perf_counter() - t
-        body2 = {"messages": [*body["messages"], {"role": "assistant", "content": "ok"},
-                              {"role": "user", "content": "more?"}]}
-        t = time.perf_counter()
-        cold.chat_tokens(body2)
-        nxt = time.perf_counter() - t
-        print(f"   {n:>7} tokens: {first * 1000:8.2f} ms first time, {nxt * 1000:6.2f} ms for "
-              f"the next turn (segment cache)")
-
-
-async def throughput(name: str, url: str, seconds: float, concurrency: int) -> float:
+async def throughput(url: str, seconds: float, concurrency: int) -> float:
     rng = random.Random(3)
     done = 0
     stop_at = time.perf_counter() + seconds
 
+    def body() -> bytes:
+        return json.dumps({"model": MODEL, "prompt": _ids(rng, 256), "max_tokens": 1}).encode()
+
     async def client(session: aiohttp.ClientSession) -> None:
         nonlocal done
         while time.perf_counter() < stop_at:
-            await one_request(session, url, fresh_prompt(rng, 256))
+            await one_request(session, url, "/v1/completions", body())
             done += 1
 
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        await one_request(session, url, fresh_prompt(rng, 256))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await one_request(session, url, "/v1/completions", body())
         started = time.perf_counter()
         await asyncio.gather(*(client(session) for _ in range(concurrency)))
         return done / (time.perf_counter() - started)
 
 
+def tiny_model(tmp: Path) -> str:
+    out = tmp / "tiny-model"
+    subprocess.run([sys.executable, "-m", "replica", "tiny-model", "--out", str(out)],
+                   cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    return str(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default="1024,8192,32768,131072")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=5, help="0: the in-process profile only")
+    parser.add_argument("--per-round", type=int, default=12,
+                        help="requests per target, scenario and round (after one warm-up)")
+    parser.add_argument("--cold-sizes", default="8192",
+                        help="token-id prompt sizes for the cold request, comma-separated")
+    parser.add_argument("--size", type=int, default=8192,
+                        help="where the growing conversation and the chat start (tokens)")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--model-dir", help="a model directory (python -m replica tiny-model): "
-                        "also time chat render+tokenize")
+    parser.add_argument("--model-dir", help="a model directory (python -m replica tiny-model)")
+    parser.add_argument("--no-peers", action="store_true", help="leave vllm-router out")
+    parser.add_argument("--gateway-repo", type=Path, default=REPO,
+                        help="run the gateway from this checkout (a before/after comparison)")
     args = parser.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
-    blocks = max(sizes) * 4 // BLOCK_SIZE + 64
+    model_dir = args.model_dir or tiny_model(tmp)
+    tokenizer = PromptTokenizer.from_dir(model_dir, max_model_len=MAX_MODEL_LEN)
+    scenarios = [*(cold(int(s)) for s in args.cold_sizes.split(",")), growing(args.size),
+                 chat(args.size, tokenizer)]
+    profiles = {s.name: asyncio.run(stage_profile(s, tokenizer, max(20, args.per_round)))
+                for s in scenarios}
+    print_profile(profiles)
+    if args.rounds < 1:
+        return 0  # the in-process profile only
+    longest = max(int(s) for s in args.cold_sizes.split(",")) + \
+        args.size + TURN_TOKENS * (args.per_round + 2)
     routers: list[Router] = []
-    with SimFleet(args.replicas, block_size=BLOCK_SIZE, num_blocks=blocks,
-                  prefill_profile="instant", served_model_name=MODEL,
-                  extra_args=["--max-model-len", str(max(sizes) + 64)]) as fleet:
+    with SimFleet(args.replicas, block_size=BLOCK_SIZE, num_blocks=longest * 8 // BLOCK_SIZE,
+                  prefill_profile="instant", served_model_name=MODEL, model_dir=model_dir,
+                  extra_args=["--max-model-len", str(MAX_MODEL_LEN)]) as fleet:
         try:
-            routers.append(start_cacheroute(fleet, tmp))
-            for policy in ("cache_aware", "kv_aware"):
+            routers.append(start_cacheroute(fleet, tmp, model_dir, args.gateway_repo))
+            for policy in () if args.no_peers else ("cache_aware", "kv_aware"):
                 r = start_vllm_router(fleet, tmp, policy)
                 if r is not None:
                     routers.append(r)
             direct = ("direct (replica 0)", fleet.urls[0])
             targets = [direct, *((r.name, r.url) for r in routers)]
-            print(f"{args.replicas} sim replicas (instant profile); routers: "
-                  f"{', '.join(r.name for r in routers)}")
-            asyncio.run(latency_table(targets, sizes, args.repeats))
-            tokenize_hash_table(sizes)
-            if args.model_dir:
-                chat_tokenize_table(args.model_dir, sizes)
-            print(f"\n2) routed requests/s ({args.concurrency} concurrent clients, 256-token "
-                  f"prompts, max_tokens 1, {args.seconds:.0f} s each)")
-            for name, url in targets:
-                rps = asyncio.run(throughput(name, url, args.seconds, args.concurrency))
-                print(f"   {name:<24} {rps:8.0f} req/s")
+            print(f"\n{args.replicas} sim replicas (instant profile); routers: "
+                  f"{', '.join(r.name for r in routers)}; {args.rounds} rounds x "
+                  f"{args.per_round} requests per target and request kind")
+            results = asyncio.run(added_latency(targets, scenarios, args.rounds, args.per_round))
+            print_added(results, direct[0], profiles)
+            if args.seconds > 0:
+                print(f"\n3) routed requests/s ({args.concurrency} concurrent clients, 256-token "
+                      f"prompts, max_tokens 1, {args.seconds:.0f} s each)")
+                for name, url in targets:
+                    rps = asyncio.run(throughput(url, args.seconds, args.concurrency))
+                    print(f"   {name:<24} {rps:8.0f} req/s")
         finally:
             for r in routers:
                 if r.proc is not None:
                     stop_process(r.proc)
+    shutil.rmtree(tmp, ignore_errors=True)
     return 0
-
 
 
 if __name__ == "__main__":

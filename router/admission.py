@@ -168,12 +168,7 @@ class Admission:
         if slot is not None:
             return slot
         if self.queued >= self.queue_size:
-            self._rejected_full += 1
-            raise Overloaded(
-                "queue_full",
-                self.retry_after(),
-                f"gateway overloaded: {self.queued} requests already queued",
-            )
+            raise self._queue_full()
         timeout = self.queue_timeout_s if timeout_s is None else timeout_s
         future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
         waiter = _Waiter(tuple(candidates), future)
@@ -199,6 +194,19 @@ class Admission:
             if not future.done():
                 future.cancel()
             self._forget(waiter)
+
+    def refuse_if_full(self, candidates: Sequence[str]) -> None:
+        """Raise Overloaded now if `acquire(candidates)` would refuse at once (no room and
+        a full queue). The gateway asks before it tokenizes, hashes and looks up a
+        request, so an overloaded gateway spends none of that on requests it turns away;
+        the ranked candidates the policy picks later are a subset of these."""
+        if self._fit(candidates) is None and self.queued >= self.queue_size:
+            raise self._queue_full()
+
+    def _queue_full(self) -> Overloaded:
+        self._rejected_full += 1
+        return Overloaded("queue_full", self.retry_after(),
+                          f"gateway overloaded: {self.queued} requests already queued")
 
     def retry_after(self) -> float:
         """Seconds until a slot is likely: the queue ahead drained at the measured hold time."""

@@ -41,7 +41,7 @@ from router.handlers import (
     handle_ready,
     request_context,
 )
-from router.index import MemoryIndex, RedisIndex
+from router.index import IndexUnavailable, MemoryIndex, RedisIndex
 from router.metrics import GatewayMetrics, ReplicaGauges, StreamGauges, fleet_families
 from router.pending import PendingChains
 from router.policy.pipeline import build_policy
@@ -115,7 +115,15 @@ async def _index_ctx(app: web.Application) -> AsyncIterator[None]:
     gw = app[GATEWAY]
     cfg = gw.config.index
     if cfg.is_redis:
-        gw.index = RedisIndex.from_url(cfg.backend, capacity_blocks=cfg.record_capacity_blocks)
+        redis = RedisIndex.from_url(cfg.backend, capacity_blocks=cfg.record_capacity_blocks)
+        gw.index = redis
+        try:
+            # Connections and scripts ready before the first request: a cold pool makes
+            # the first concurrent lookups miss their deadline (issue #16).
+            await redis.warm()
+        except IndexUnavailable as exc:
+            log.warning("prefix index (redis) is not answering at start-up (%s); routing on "
+                        "load alone until it does", exc)
     else:
         gw.index = MemoryIndex(capacity_blocks=cfg.record_capacity_blocks)
     yield
@@ -135,7 +143,7 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
         tokenizers=gw.tokenizers, chains=ChainCache(), index=gw.index,
         policy=build_policy(gw.config.policy, gw.rng),
         index_deadline_s=gw.config.index.deadline_ms / 1000.0, executor=gw.executor,
-        pending=PendingChains(ttl_s=gw.config.policy.pending_ttl_s))
+        pending=PendingChains(ttl_s=gw.config.policy.pending_ttl_s), clock=fleet.now)
     gw.forwarder = Forwarder(gw.session, fleet, gw.config.proxy, gw.metrics, gw.rng)
     admission = Admission.from_config(gw.config.limits)
     gw.admission = admission

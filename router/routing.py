@@ -16,11 +16,11 @@ own group's chain.
 from __future__ import annotations
 
 import asyncio
+import struct
 import threading
 import time
-from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -29,6 +29,7 @@ import xxhash
 
 from router.hashing import BlockChain, HashConfig, event_key, max_cacheable_blocks
 from router.index import IndexUnavailable, PrefixIndex
+from router.outstanding import WorkView, fleet_bias, with_prior
 from router.pending import PendingChains, merge_matches
 from router.policy.pipeline import NoReplicasError
 from router.policy.types import ReplicaState, RoutingDecision, RoutingRequest
@@ -38,6 +39,8 @@ from router.request import ParsedRequest
 
 class Tokenizer(Protocol):
     def request_tokens(self, body: dict[str, Any], endpoint: Any) -> list[int]: ...
+
+    def prompt_ids(self, token_ids: list[int], body: dict[str, Any]) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -49,32 +52,45 @@ class KnownTokens:
     def request_tokens(self, body: dict[str, Any], endpoint: Any) -> list[int]:
         return list(self.tokens)
 
+    def prompt_ids(self, token_ids: list[int], body: dict[str, Any]) -> list[int]:
+        return token_ids
 
-def token_id_prompt(body: Mapping[str, Any]) -> list[int] | None:
-    """A completions prompt given as token ids (no tokenizer needed), else None."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)
-    return None
+
+@dataclass
+class _Chain:
+    """One remembered chain: its vLLM block keys, their event forms, and the
+    fingerprints (one per block prefix) through which the memo leads to it."""
+
+    digests: list[bytes]
+    event_keys: list[int]
+    prints: list[bytes] = field(default_factory=list)
 
 
 class ChainCache:
     """Remembers block keys by a cheap fingerprint of the tokens they cover.
 
     A conversation resends its whole history each turn, and many users share system
-    prompts. The fingerprint of block i is xxh3-128 over (hash settings, salt) and the
-    token bytes of blocks 0..i: ten times cheaper than vLLM's pickle+sha256 key. A
-    request walks its fingerprints until the first one not remembered, takes the keys
-    remembered up to there, and computes real keys (router.hashing.BlockChain) only for
-    the rest. Bounded LRU in blocks; thread-safe (called from the tokenizer pool).
+    prompts. The fingerprint of a k-block prefix is xxh3-128 over (hash settings, salt)
+    and the token bytes of blocks 0..k-1: far cheaper than vLLM's pickle+sha256 key, and
+    computed in C. Each remembered prefix points at the chain holding its keys, so a
+    request finds its longest remembered prefix by binary search (log2(n) fingerprints,
+    not n), takes that chain's keys up to there, and computes real keys
+    (router.hashing.BlockChain) and fingerprints only for the blocks after it. A
+    conversation growing a turn extends its chain in place.
+
+    Eviction is LRU by chain, bounded in fingerprints. A chain's prefixes are remembered
+    and forgotten together, so presence is monotone along a chain, which the binary
+    search relies on; where a branch's shared prefix went with the chain that owned it,
+    the search finds a shorter prefix and the request hashes more: slower, never wrong.
+    Thread-safe (called from the tokenizer pool).
     """
 
     def __init__(self, capacity_blocks: int = 500_000) -> None:
         self.capacity_blocks = capacity_blocks
-        # fingerprint -> (vLLM block key, its 64-bit event form)
-        self._memo: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()
+        self._memo: dict[bytes, tuple[_Chain, int]] = {}  # prefix fingerprint -> (chain, blocks)
+        self._chains: OrderedDict[int, _Chain] = OrderedDict()  # id -> chain, oldest first
         self._lock = threading.Lock()
+        self.blocks = 0  # fingerprints remembered
         self.hashed_blocks = 0
         self.reused_blocks = 0
 
@@ -85,41 +101,70 @@ class ChainCache:
         n = len(tokens) // size
         if n == 0:
             return []
-        data = memoryview(array("q", tokens[: n * size]).tobytes())
+        # struct packs a list of ints twice as fast as array("q") does.
+        data = memoryview(struct.pack(f"<{n * size}q", *tokens[: n * size]))
         step = size * 8
-        fp = xxhash.xxh3_128(repr((config.algo, size, config.resolved_seed(), cache_salt)).encode())
+        head = repr((config.algo, size, config.resolved_seed(), cache_salt)).encode()
+
+        def fingerprint(blocks: int) -> bytes:
+            fp = xxhash.xxh3_128(head)
+            fp.update(data[: blocks * step])
+            return fp.digest()
+
+        found: _Chain | None = None
+        reused, hi = 0, n  # the longest remembered prefix has reused..hi blocks
+        with self._lock:
+            while reused < hi:
+                mid = (reused + hi + 1) // 2
+                entry = self._memo.get(fingerprint(mid))
+                if entry is None:
+                    hi = mid - 1
+                else:
+                    found, reused = entry[0], mid
+            if found is not None and reused == n:
+                self._chains.move_to_end(id(found))
+                self.reused_blocks += n
+                return found.event_keys[:n]
+            known_digests = found.digests[:reused] if found is not None else []
+            known_events = found.event_keys[:reused] if found is not None else []
+        chain = BlockChain(config, cache_salt=cache_salt)
+        chain.tokens = list(tokens[: reused * size])
+        chain.keys = known_digests
+        added = chain.extend(tokens[reused * size: n * size])
+        added_events = [event_key(digest) for digest in added]
+        fp = xxhash.xxh3_128(head)
+        fp.update(data[: reused * step])
         prints = []
-        for i in range(n):
+        for i in range(reused, min(n, self.capacity_blocks)):
             fp.update(data[i * step:(i + 1) * step])
             prints.append(fp.digest())
-        known: list[tuple[bytes, int]] = []
         with self._lock:
-            for p in prints:
-                entry = self._memo.get(p)
-                if entry is None:
-                    break
-                known.append(entry)
-        reused = len(known)
-        chain = BlockChain(config, cache_salt=cache_salt)
-        if reused:
-            chain.tokens = list(tokens[: reused * size])
-            chain.keys = [digest for digest, _ in known]
-        added = chain.extend(tokens[reused * size: n * size])
-        fresh = [(digest, event_key(digest)) for digest in added]
-        with self._lock:
-            # Touch tail first and block 0 last, so eviction (oldest first) trims chains
-            # from the tail: a later block is useless once an earlier one is gone.
-            for p, entry in zip(prints[reused:][::-1], fresh[::-1], strict=True):
-                self._memo[p] = entry
-                self._memo.move_to_end(p)
-            for p in prints[:reused][::-1]:
-                if p in self._memo:
-                    self._memo.move_to_end(p)
-            while len(self._memo) > self.capacity_blocks:
-                self._memo.popitem(last=False)
+            if found is not None and len(found.digests) == reused and id(found) in self._chains:
+                # The conversation grew a turn: extend its chain (its prefixes stay valid).
+                owner = found
+                owner.digests.extend(added)
+                owner.event_keys.extend(added_events)
+            else:
+                owner = _Chain(digests=chain.keys, event_keys=known_events + added_events)
+                self._chains[id(owner)] = owner
+            for blocks, p in enumerate(prints, start=reused + 1):
+                self._memo[p] = (owner, blocks)
+            owner.prints.extend(prints)
+            self.blocks += len(prints)
+            self._chains.move_to_end(id(owner))
+            while self.blocks > self.capacity_blocks and len(self._chains) > 1:
+                self._evict(self._chains.popitem(last=False)[1])
+            keys = owner.event_keys[:n]
         self.hashed_blocks += len(added)
         self.reused_blocks += reused
-        return [ekey for _, ekey in known] + [ekey for _, ekey in fresh]
+        return keys
+
+    def _evict(self, chain: _Chain) -> None:
+        for p in chain.prints:
+            entry = self._memo.get(p)
+            if entry is not None and entry[0] is chain:
+                del self._memo[p]
+        self.blocks -= len(chain.prints)
 
 
 @dataclass(frozen=True)
@@ -141,18 +186,26 @@ def prepare_prompt(tokenizer: Tokenizer | None, chains: ChainCache, parsed: Pars
     others route on load alone (num_tokens 0, no keys).
     """
     started = time.perf_counter()
-    tokens: list[int] | None
-    if tokenizer is not None:
-        # A body the replica would refuse raises router.request.ClientError here.
-        tokens = tokenizer.request_tokens(parsed.body, parsed.endpoint)
-    else:
-        tokens = token_id_prompt(parsed.body) if parsed.endpoint == "completions" else None
+    tokens = prompt_tokens(tokenizer, parsed)
     keys: dict[HashConfig, tuple[int, ...]] = {}
     if tokens:
         for config in groups:
             keys[config] = tuple(chains.event_keys(config, tokens, cache_salt))
     return PreparedPrompt(num_tokens=len(tokens or ()), tokens=tuple(tokens) if tokens else None,
                           keys=keys, seconds=time.perf_counter() - started)
+
+
+def prompt_tokens(tokenizer: Tokenizer | None, parsed: ParsedRequest) -> list[int] | None:
+    """The prompt's token ids as the replica will see them; None without a tokenizer for
+    a prompt given as text. Raises router.request.ClientError for a body the replica
+    would refuse too."""
+    if parsed.token_ids is not None:
+        # Checked at the edge already; the tokenizer only applies truncate_prompt_tokens.
+        return parsed.token_ids if tokenizer is None else \
+            tokenizer.prompt_ids(parsed.token_ids, parsed.body)
+    if tokenizer is None:
+        return None
+    return tokenizer.request_tokens(parsed.body, parsed.endpoint)
 
 
 @dataclass(frozen=True)
@@ -162,6 +215,12 @@ class LookupResult:
     matches: Mapping[str, int]
     fallback: str | None  # None, "deadline", "index_down"
     seconds: float
+
+
+def _collect(task: asyncio.Future[Any]) -> None:
+    """Mark a lookup's outcome as seen (lookup_matches reads what it needs)."""
+    if not task.cancelled():
+        task.exception()
 
 
 # How many loop iterations a lookup past its deadline gets to deliver a reply that has
@@ -183,24 +242,32 @@ async def lookup_matches(index: PrefixIndex, model: str,
     if not groups:
         return LookupResult({}, None, 0.0)
     # The index's own timeout is only a backstop (twice ours): this deadline decides.
-    pending = asyncio.gather(
-        *(index.lookup(model, chain, deadline_s=2 * deadline_s) for _, chain in groups))
+    # One task per group, not a gather: every outcome is collected here, so nothing is
+    # left for asyncio to report as "exception was never retrieved" when one fails or is
+    # cancelled at the deadline.
+    lookups = [asyncio.ensure_future(index.lookup(model, chain, deadline_s=2 * deadline_s))
+               for _, chain in groups]
+    for task in lookups:
+        task.add_done_callback(_collect)
     try:
-        await asyncio.wait({pending}, timeout=deadline_s)
+        await asyncio.wait(lookups, timeout=deadline_s)
         # On a busy loop the timer and the index's reply can become ready in the same
         # iteration, and the timer runs first: a lookup that already answered would be
         # thrown away. A few yields let an answer that is already here finish; one still
         # in flight is not waited for.
         for _ in range(_LATE_REPLY_YIELDS):
-            if pending.done():
+            if all(task.done() for task in lookups):
                 break
             await asyncio.sleep(0)
-        if not pending.done():
-            pending.cancel()
-            return LookupResult({}, "deadline", time.perf_counter() - started)
-        answers = pending.result()
-    except (IndexUnavailable, OSError, ConnectionError):
+    finally:
+        late = [task for task in lookups if not task.done()]
+        for task in late:
+            task.cancel()  # also when this request itself is cancelled
+    if late:
+        return LookupResult({}, "deadline", time.perf_counter() - started)
+    if any(isinstance(task.exception(), IndexUnavailable | OSError) for task in lookups):
         return LookupResult({}, "index_down", time.perf_counter() - started)
+    answers = [task.result() for task in lookups]
     matches: dict[str, int] = {}
     for (config, _), answer in zip(groups, answers, strict=True):
         allowed = members.get(config, set())
@@ -215,11 +282,12 @@ def predicted_cached_tokens(matched_blocks: int, num_prompt_tokens: int, block_s
     return min(matched_blocks, max_cacheable_blocks(num_prompt_tokens, block_size)) * block_size
 
 
-def snapshot(replica: Replica, matched_blocks: int, now: float) -> ReplicaState:
+def snapshot(replica: Replica, matched_blocks: int, now: float,
+             work: WorkView | None = None) -> ReplicaState:
     """A frozen ReplicaState of one replica for one decision (see Replica.outstanding)."""
     t = replica.target
     running, waiting = replica.outstanding()
-    work = replica.work.view(now)
+    work = replica.work.view(now) if work is None else work
     external_running, external_waiting = replica.external()
     return ReplicaState(
         replica_id=replica.replica_id, healthy=replica.healthy and not replica.removed,
@@ -230,6 +298,7 @@ def snapshot(replica: Replica, matched_blocks: int, now: float) -> ReplicaState:
         capacity=t.max_concurrency, queued_prefill_s=work.wait_s, decoding=work.decoding,
         external_running=external_running, external_waiting=external_waiting,
         mean_prefill_s=work.mean_prefill_s, bias=work.bias,
+        scrape_age_s=max(0.0, now - replica.scraped_at) if replica.scraped_at else 0.0,
     )
 
 
@@ -273,6 +342,7 @@ class RoutingPipeline:
     index_deadline_s: float
     executor: Executor | None = None
     pending: PendingChains | None = None
+    clock: Callable[[], float] = time.monotonic
 
     async def route(self, parsed: ParsedRequest, replicas: Sequence[Replica], now: float,
                     tenant: str | None, cache_salt: str | None,
@@ -301,13 +371,20 @@ class RoutingPipeline:
             prompt = prepare_prompt(tokenizer, self.chains, parsed, list(members), cache_salt)
         lookup = await lookup_matches(self.index, parsed.model, prompt.keys, members,
                                       self.index_deadline_s)
+        # Tokenizing and the lookup took time (a burst queues in the executor): the
+        # outstanding work is read as of now, not as of the request's arrival.
+        now = self.clock()
         matches: Mapping[str, int] = lookup.matches
         if self.pending is not None:
             # Prefixes routed moments ago whose replica has not announced them yet.
             for config, chain in prompt.keys.items():
                 matches = merge_matches(matches, self.pending.matches(
                     parsed.model, chain, members.get(config, ()), now))
-        states = [snapshot(r, matches.get(r.replica_id, 0), now) for r in replicas]
+        # A replica with little traffic yet borrows its fleet's learned TTFT bias.
+        views = {r.replica_id: r.work.view(now) for r in replicas}
+        prior = fleet_bias(views.values())
+        states = [snapshot(r, matches.get(r.replica_id, 0), now,
+                           with_prior(views[r.replica_id], prior)) for r in replicas]
         primary = max(prompt.keys.items(), key=lambda kv: len(members[kv[0]]),
                       default=(None, ()))[1]
         request = RoutingRequest(model=parsed.model, keys=primary,

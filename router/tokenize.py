@@ -361,6 +361,12 @@ class PromptTokenizer:
             out.append(_truncate(ids, body, self.max_model_len))
         return out
 
+    def prompt_ids(self, token_ids: list[int], body: dict[str, Any]) -> list[int]:
+        """A token-id prompt the request edge already checked, as the replica sees it
+        (truncate_prompt_tokens applied)."""
+        _flag(body, "add_special_tokens", True)  # checked as for any completions body
+        return _truncate(token_ids, body, self.max_model_len)
+
     def completion_tokens(self, body: dict[str, Any]) -> list[int]:
         """Prompt token ids of a completions body (the first prompt of a batch)."""
         return self.completion_prompts(body)[0]

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import aiohttp
 import pytest
+from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
+from servers import free_port
 
 from router.admission import Admission, Overloaded, Slot
-from router.config import LimitsConfig
+from router.app import GATEWAY, build_app, running_gateway
+from router.config import LimitsConfig, build_config
 
 
 async def until(condition: Callable[[], bool], rounds: int = 1000) -> None:
@@ -224,3 +228,65 @@ def test_limits_hold_under_any_sequence(ops: list[tuple[bool, str]]) -> None:
             held.pop(0).release()
         assert a.inflight() == len(held) <= 4
         assert all(a.inflight(r) <= 2 for r in "ABC")
+
+
+async def test_refuse_if_full_answers_as_acquire_would_without_queueing() -> None:
+    a = admission(global_=1, per_replica=1, queue=1)
+    a.refuse_if_full(["A"])  # room: nothing to refuse
+    held = await a.acquire(["A"])
+    a.refuse_if_full(["A"])  # no room, but the queue has a place
+    waiting = asyncio.create_task(a.acquire(["A"]))
+    await until(queued_is(a, 1))
+    with pytest.raises(Overloaded) as info:
+        a.refuse_if_full(["A", "B"])
+    assert info.value.reason == "queue_full" and a.stats().rejected_queue_full == 1
+    assert a.queued == 1  # the check itself never queues
+    held.release()
+    (await waiting).release()
+
+
+async def test_an_overloaded_gateway_refuses_before_it_tokenizes() -> None:
+    """A full gateway answers 429 without rendering, tokenizing or looking up the body."""
+    release = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.json_response({"choices": [{"index": 0, "text": "x", "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 32, "completion_tokens": 1}})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    upstream = web.Application()
+    upstream.router.add_post("/v1/completions", slow)
+    upstream.router.add_get("/health", health)
+    up_runner = web.AppRunner(upstream)
+    await up_runner.setup()
+    up_port, port = free_port(), free_port()
+    await web.TCPSite(up_runner, "127.0.0.1", up_port).start()
+    config = build_config({
+        "listen": {"host": "127.0.0.1", "port": port},
+        "replicas": [{"url": f"http://127.0.0.1:{up_port}", "models": ["m"]}],
+        "tenants": {"allow_anonymous": True},
+        "limits": {"global_concurrency": 1, "queue_size": 0},
+    })
+    app = build_app(config)
+    body = {"model": "m", "prompt": list(range(64)), "max_tokens": 1}
+    try:
+        async with running_gateway(app, "127.0.0.1", port), aiohttp.ClientSession() as session:
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            first = asyncio.create_task(session.post(url, json=body))
+            metrics = app[GATEWAY].metrics
+            await until(lambda: app[GATEWAY].admission is not None
+                        and app[GATEWAY].admission.inflight() == 1, rounds=100_000)
+            prepared = metrics.tokenize_latency._sum.get()  # type: ignore[attr-defined]
+            async with session.post(url, json=body) as second:
+                assert second.status == 429 and second.headers["Retry-After"]
+                assert (await second.json())["error"]["type"] == "rate_limit_error"
+            assert metrics.tokenize_latency._sum.get() == prepared  # type: ignore[attr-defined]
+            release.set()
+            async with await first as resp:
+                assert resp.status == 200
+    finally:
+        release.set()
+        await up_runner.cleanup()

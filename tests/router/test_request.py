@@ -49,8 +49,9 @@ def test_valid_requests() -> None:
         "chat", "tiny", True, 5, None)
     assert not p.client_wants_usage  # streamed without stream_options.include_usage
     p = parse({**COMPLETION, "prompt": [1, 2, 3]}, "completions")
-    assert (p.endpoint, p.stream, p.max_tokens, p.client_wants_usage) == (
-        "completions", False, None, True)
+    assert (p.endpoint, p.stream, p.max_tokens, p.client_wants_usage, p.token_ids) == (
+        "completions", False, None, True, [1, 2, 3])
+    assert parse(COMPLETION, "completions").token_ids is None
     assert parse({**CHAT, "max_completion_tokens": 7, "max_tokens": 3}).max_tokens == 7
     assert parse({**CHAT, "max_completion_tokens": None, "max_tokens": 3}).max_tokens == 3
     wants = parse({**CHAT, "stream": True, "stream_options": {"include_usage": True}})
@@ -58,9 +59,20 @@ def test_valid_requests() -> None:
 
 
 @pytest.mark.parametrize(("raw", "message"), [
-    (b"\xff\xfe{}", "request body is not valid UTF-8 (byte 0)"),
+    (b"\xff\xfe{}", "request body is not valid JSON: invalid character (byte 0)"),
+    (b'{"model": "tiny", "prompt": "\xff\xfe"}', "request body is not valid JSON: Invalid UTF-8"),
     (b"{not json", "request body is not valid JSON"),
     (b"[1, 2]", "request body must be a JSON object"),
+    # Not JSON, though Python's json module reads them; forwarded, a replica hangs on them.
+    (b'{"model": "tiny", "prompt": "x", "temperature": NaN}',
+     "request body is not valid JSON: invalid character (byte 48); NaN and Infinity are "
+     "not JSON numbers"),
+    (b'{"model": "tiny", "prompt": "x", "temperature": -Infinity}', "request body is not valid"),
+    (b'{"model": "tiny", "prompt": "x", "temperature": 1e999}',
+     "request body is not valid JSON: a number is out of range"),
+    (b"[" * 100_000 + b"]" * 100_000, "request body is nested too deeply"),
+    (b'{"model": "tiny", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     "request body is nested too deeply"),
 ])
 def test_bodies_that_are_not_a_json_object(raw: bytes, message: str) -> None:
     err = error(None, raw=raw)
@@ -107,7 +119,7 @@ def test_unknown_model_is_404_and_names_the_served_models() -> None:
 
 
 @pytest.mark.parametrize("prompt", [None, 5, [], ["a", "b"], [[1, 2]], [1, -2], [1, True],
-                                    {"text": "x"}])
+                                    [1, 2.0], [1, 2**64], {"text": "x"}])
 def test_completion_prompt_errors(prompt: object) -> None:
     body = {**COMPLETION, "prompt": prompt}
     if prompt is None:
@@ -186,6 +198,10 @@ async def test_every_client_error_has_openai_shape_with_the_status_as_code(gatew
     cases: list[tuple[str, dict[str, str], bytes, int, str | None, str]] = [
         ("/v1/chat/completions", {}, b"{", 400, None, "request body is not valid JSON"),
         ("/v1/chat/completions", {}, b"[1]", 400, None, "request body must be a JSON object"),
+        ("/v1/chat/completions", {}, b'{"model": "tiny", "temperature": NaN}', 400, None,
+         "request body is not valid JSON"),
+        ("/v1/chat/completions", {}, b"[" * 2000 + b"]" * 2000, 400, None,
+         "request body is nested too deeply"),
         ("/v1/completions", {}, json.dumps({**COMPLETION, "prompt": [1, -2]}).encode(), 400,
          "prompt", "'prompt' must be a string or an array of token ids"),
         ("/v1/chat/completions", {}, json.dumps({**CHAT, "model": "gpt-5"}).encode(), 404,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import gc
 import json
 import os
 import signal
@@ -15,7 +17,7 @@ from router.index import MemoryIndex, RedisIndex
 from router.policy.pipeline import build_policy
 from router.policy.types import PolicyConfig
 from router.replicas import Replica, ReplicaSource
-from router.request import ParsedRequest, parse_request, upstream_body
+from router.request import ParsedRequest, parse_request, upstream_payload
 from router.routing import ChainCache, RoutingPipeline, predicted_cached_tokens, prepare_prompt
 from router.tenants import TenantRegistry
 
@@ -51,19 +53,32 @@ def parse_body(raw: bytes, endpoint: str) -> ParsedRequest:
                          tenant=ANONYMOUS, registry=REGISTRY)
 
 
-def test_upstream_body_injects_salt_and_usage_without_touching_the_original() -> None:
-    parsed = dataclasses.replace(parse_body(completion([1, 2], stream=True), "completions"),
-                                 cache_salt="salt-a")
-    body, strip = upstream_body(parsed, want_token_ids=True)
-    assert body["cache_salt"] == "salt-a"
-    assert body["stream_options"] == {"include_usage": True}
-    assert body["return_token_ids"] is True and strip
+def test_upstream_payload_adds_salt_and_usage_to_the_raw_body() -> None:
+    raw = completion([1, 2], stream=True, note="caf\u00e9 \u2603") + b"\n"
+    parsed = dataclasses.replace(parse_body(raw, "completions"), cache_salt="salt-a")
+    payload, strip = upstream_payload(parsed, want_token_ids=True)
+    body = json.loads(payload)
+    assert body == {**json.loads(raw), "cache_salt": "salt-a",
+                    "stream_options": {"include_usage": True}, "return_token_ids": True}
+    assert strip and payload.startswith(raw.rstrip()[:-1])  # the client's bytes, untouched
     assert not parsed.client_wants_usage
     assert "cache_salt" not in parsed.body and "stream_options" not in parsed.body
+    # Nothing to add: the body goes as it came.
+    plain = parse_body(completion([1]), "completions")
+    assert upstream_payload(plain, want_token_ids=False) == (plain.raw, False)
     asked = parse_body(completion([1], stream=True, return_token_ids=True,
                                   stream_options={"include_usage": True}), "completions")
     assert asked.client_wants_usage
-    assert upstream_body(asked, want_token_ids=True)[1] is False
+    assert upstream_payload(asked, want_token_ids=True) == (asked.raw, False)
+
+
+def test_upstream_payload_never_duplicates_a_key_the_client_sent() -> None:
+    raw = completion([1], stream=True, stream_options={"continuous_usage_stats": False})
+    parsed = dataclasses.replace(parse_body(raw, "completions"), cache_salt="salt-a")
+    payload, _ = upstream_payload(parsed, want_token_ids=False)
+    assert payload.count(b'"stream_options"') == 1
+    assert json.loads(payload)["stream_options"] == {"continuous_usage_stats": False,
+                                                     "include_usage": True}
 
 
 def test_chain_cache_matches_vllm_keys_and_hashes_only_new_blocks() -> None:
@@ -86,7 +101,34 @@ def test_chain_cache_matches_vllm_keys_and_hashes_only_new_blocks() -> None:
 def test_chain_cache_is_bounded() -> None:
     cache = ChainCache(capacity_blocks=10)
     cache.event_keys(CONFIG, list(range(16 * 30)), None)
-    assert len(cache._memo) == 10
+    assert cache.blocks == 10  # the first 10 blocks' prefixes: the useful end of a chain
+    for first in range(5):  # more chains: the oldest go, whole
+        cache.event_keys(CONFIG, [first, *range(16 * 6)], None)
+    assert cache.blocks <= 10
+
+
+def test_chain_cache_reuses_branches_and_repeats_exactly() -> None:
+    cache = ChainCache()
+    system = list(range(16 * 20))
+    a = [*system, *range(5000, 5000 + 16 * 10)]
+    b = [*system, *range(7000, 7000 + 16 * 5)]
+    for tokens in (a, b, a, b, a[: 16 * 25 + 3]):
+        keys = cache.event_keys(CONFIG, tokens, None)
+        assert keys == [event_key(d) for d in chain_hashes(CONFIG, tokens)]
+    # a: 30 blocks; b: 5 past the shared 20; the repeats and the prefix of a: none.
+    assert cache.hashed_blocks == 30 + 5
+
+
+def test_chain_cache_grows_a_conversation_in_place_hashing_only_the_turn() -> None:
+    cache = ChainCache()
+    history = list(range(16 * 512))
+    cache.event_keys(CONFIG, history, "s")
+    for turn in range(1, 6):
+        history += list(range(100 * turn, 100 * turn + 256))
+        keys = cache.event_keys(CONFIG, history, "s")
+        assert keys[-1] == event_key(chain_hashes(CONFIG, history, cache_salt="s")[-1])
+    assert cache.hashed_blocks == 512 + 5 * 16
+    assert cache.blocks == 512 + 5 * 16 and len(cache._chains) == 1
 
 
 def test_prepare_prompt_without_tokenizer_keys_token_id_prompts_only() -> None:
@@ -156,6 +198,9 @@ async def test_mixed_hash_groups_are_matched_against_their_own_chains() -> None:
 
 
 async def test_index_past_its_deadline_routes_on_load_alone(redis_server: Any) -> None:
+    # Every lookup's outcome is collected: asyncio reports nothing "never retrieved".
+    unhandled: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unhandled.append(ctx))
     index = RedisIndex.from_url(redis_server.url, socket_timeout_s=5.0)
     fleet = replicas(2)
     fleet[0].inflight = 5  # the load-only choice is r1
@@ -180,3 +225,6 @@ async def test_index_past_its_deadline_routes_on_load_alone(redis_server: Any) -
     assert down.lookup.fallback == "index_down"
     assert down.decision.replica_id == "r1"
     await index.close()
+    await asyncio.sleep(0)
+    gc.collect()
+    assert not unhandled, [ctx.get("message") for ctx in unhandled]
