@@ -1,6 +1,8 @@
 """Fixtures shared by every test package: real servers on free loopback ports.
 
-Each fixture that starts a process owns it and stops it, whatever the test did.
+Each fixture that starts a process owns it and stops it, whatever the test did. Every
+async test also runs under the loop watchdog (tests/loop_watchdog.py): it fails if the
+test's event loop blocks.
 """
 
 from __future__ import annotations
@@ -12,6 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# The watchdog plugin's hooks and fixture, registered by being names in this conftest.
+from loop_watchdog import (  # noqa: F401
+    loop_watchdog_fixture,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_call,
+)
 from servers import REPO, RedisServer, free_port
 from vllm_server import VllmServer, start_vllm_server
 

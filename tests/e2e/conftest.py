@@ -5,6 +5,7 @@ Every process a fixture starts is stopped when the test ends, whatever happened.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -194,14 +195,32 @@ class ProcessGroup:
         return proc
 
     def gateway(self, raw: dict[str, Any], name: str) -> str:
-        path = self.write_config(raw, name)
-        proc = self.spawn(["serve", "--config", str(path), "--log-level", "WARNING"], name)
-        url = f"http://127.0.0.1:{raw['listen']['port']}"
+        """Start a gateway process and wait until it is ready (for sync fixtures)."""
+        proc, url = self._spawn_gateway(raw, name)
         try:
             wait_until_sync(lambda: _ready(url), 60, f"gateway {name} to be ready", proc=proc)
         except Exception as exc:
             raise RuntimeError(f"{exc}:\n{self.log(proc)}") from None
         return url
+
+    async def start_gateway(self, raw: dict[str, Any], name: str) -> str:
+        """`gateway` for async tests: waits without blocking the event loop."""
+        proc, url = self._spawn_gateway(raw, name)
+
+        async def ready() -> bool:
+            return await asyncio.to_thread(_ready, url)
+
+        try:
+            await wait_until_async(ready, 60, f"gateway {name} to be ready", proc=proc)
+        except Exception as exc:
+            raise RuntimeError(f"{exc}:\n{self.log(proc)}") from None
+        return url
+
+    def _spawn_gateway(self, raw: dict[str, Any], name: str
+                       ) -> tuple[subprocess.Popen[bytes], str]:
+        path = self.write_config(raw, name)
+        proc = self.spawn(["serve", "--config", str(path), "--log-level", "WARNING"], name)
+        return proc, f"http://127.0.0.1:{raw['listen']['port']}"
 
     def log(self, proc: subprocess.Popen[bytes]) -> str:
         for p, path in self.procs:

@@ -182,7 +182,7 @@ async def test_two_gateway_processes_on_one_redis_index_choose_as_one(
         config_path = processes.write_config(raws[0], "indexer")
         processes.spawn(["indexer", "--config", str(config_path), "--log-level", "WARNING"],
                         "indexer")
-        urls = [processes.gateway(raw, f"gateway-{i}") for i, raw in enumerate(raws)]
+        urls = [await processes.start_gateway(raw, f"gateway-{i}") for i, raw in enumerate(raws)]
         gateways = [GatewayClient(url, http) for url in urls]
         index = RedisIndex.from_url(redis_server.url)
         try:

@@ -11,14 +11,25 @@ from router.index import MemoryIndex, PrefixIndex, RedisIndex
 
 
 @pytest.fixture(params=["memory", "redis"])
-async def index(request: pytest.FixtureRequest) -> AsyncIterator[PrefixIndex]:
+def index_backend(request: pytest.FixtureRequest) -> RedisServer | None:
+    """None for the in-memory index, else the test's redis-server.
+
+    A sync fixture: starting redis-server blocks, so it must not run on the event loop.
+    """
+    if request.param == "memory":
+        return None
+    server: RedisServer = request.getfixturevalue("redis_server")
+    return server
+
+
+@pytest.fixture
+async def index(index_backend: RedisServer | None) -> AsyncIterator[PrefixIndex]:
     """Each index backend in turn (Redis on its own redis-server): both must behave alike."""
     idx: PrefixIndex
-    if request.param == "memory":
+    if index_backend is None:
         idx = MemoryIndex()
     else:
-        server: RedisServer = request.getfixturevalue("redis_server")
-        idx = RedisIndex.from_url(server.url)
+        idx = RedisIndex.from_url(index_backend.url)
     try:
         yield idx
     finally:

@@ -1,0 +1,186 @@
+"""A pytest plugin that fails any async test whose event loop blocks.
+
+Async code must never block its loop (docs: STYLE.md); a sync call hidden in an async
+path (time.sleep, a blocking socket, a long CPU-bound step) stalls every other request
+the gateway serves. This plugin catches it where it happens, as aiohttp's own suite
+does, but without asyncio's debug mode (which records a stack for every callback and
+slows the whole suite): a watchdog thread pings the loop and, when a ping waits longer
+than the threshold while the loop is running and not idle in its selector, samples the
+loop thread's stack. The test then fails with how long the loop was blocked and where.
+
+Every coroutine test gets the `loop_watchdog` fixture, set up first so it also covers
+the async fixtures' set-up and tear-down. The threshold is BLOCK_THRESHOLD_S unless
+CACHEROUTE_LOOP_BLOCK_MS is set; a test that must block on purpose can say so with
+`@pytest.mark.allow_loop_blocking` (none does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+
+# Measured on the shared 2-core test machine (tests/test_loop_watchdog.py's docstring):
+# above the suite's worst stall under heavy load, below a time.sleep(0.5).
+BLOCK_THRESHOLD_S = 0.4
+FIXTURE = "loop_watchdog"
+
+
+@dataclass
+class Block:
+    """One stall: how long the loop did not answer, and the loop thread's stack then.
+
+    Recorded as soon as the stall passes the threshold; `seconds` grows until the loop
+    answers.
+    """
+
+    seconds: float
+    stack: str
+
+
+@dataclass
+class LoopWatchdog:
+    """Pings a running loop from a thread and records every stall over `threshold_s`."""
+
+    loop: asyncio.AbstractEventLoop
+    threshold_s: float
+    blocks: list[Block] = field(default_factory=list)
+    _loop_thread: int = field(default_factory=threading.get_ident)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _settled: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _pending: threading.Event | None = None  # the ping in flight
+
+    def __post_init__(self) -> None:
+        self._settled.set()
+
+    def start(self) -> LoopWatchdog:
+        """Start watching; call from the loop's own thread."""
+        self._thread = threading.Thread(target=self._watch, name="loop-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[Block]:
+        """Stop watching; returns the stalls seen."""
+        self._stop.set()
+        pending = self._pending
+        if pending is not None:
+            # Called on the loop thread, which cannot answer a ping while it waits here:
+            # wake the watcher instead of letting it time out and report this very wait.
+            pending.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        return self.blocks
+
+    def settle(self, timeout: float = 5.0) -> list[Block]:
+        """The stalls seen so far, once a stall in progress has been measured to its end."""
+        self._settled.wait(timeout)
+        return self.blocks
+
+    def _watch(self) -> None:
+        interval = self.threshold_s / 4
+        while not self._stop.wait(interval):
+            if self.loop.is_closed() or not self.loop.is_running():
+                continue  # between fixtures' steps: a stopped loop is not a blocked one
+            answered = threading.Event()
+            self._pending = answered
+            if self._stop.is_set():
+                return  # stop() may have missed this ping: do not wait for it
+            sent = time.monotonic()
+            try:
+                self.loop.call_soon_threadsafe(answered.set)
+            except RuntimeError:  # closed meanwhile
+                continue
+            answered.wait(self.threshold_s)
+            if self._stop.is_set():
+                return
+            if answered.is_set():
+                continue
+            stack = self._loop_stack()
+            if stack is None:
+                continue
+            block = Block(time.monotonic() - sent, stack)
+            self._settled.clear()
+            self.blocks.append(block)  # now: the test may end before the stall does
+            while not answered.wait(interval) and not self._stop.is_set():
+                if not self.loop.is_running():
+                    break
+            block.seconds = time.monotonic() - sent
+            self._settled.set()
+
+    def _loop_stack(self) -> str | None:
+        """The loop thread's stack if it is running a callback, None if idle or stopped."""
+        frame = sys._current_frames().get(self._loop_thread)
+        if frame is None or not self.loop.is_running():
+            return None
+        frames = traceback.extract_stack(frame)
+        if not any(f.name == "_run_once" for f in frames):
+            return None  # not inside the loop: it stopped between run_until_complete calls
+        innermost = frames[-1]
+        if innermost.filename.endswith("selectors.py") or innermost.name == "select":
+            return None  # idle, waiting for I/O: our ping is about to run
+        start = max(i for i, f in enumerate(frames) if f.name == "_run_once")
+        return "".join(traceback.format_list(frames[start + 1:]))
+
+
+def threshold_s() -> float:
+    """The stall that fails a test, in seconds."""
+    override = os.environ.get("CACHEROUTE_LOOP_BLOCK_MS")
+    return float(override) / 1000 if override else BLOCK_THRESHOLD_S
+
+
+def describe(blocks: list[Block], threshold: float) -> str:
+    """A failure message: each stall's length and where the loop thread was."""
+    parts = [f"the event loop was blocked {len(blocks)} time(s) for more than "
+             f"{threshold * 1000:.0f} ms (async code must not block; run it in a thread):"]
+    for b in blocks:
+        parts.append(f"--- blocked {b.seconds * 1000:.0f} ms, loop thread at:\n{b.stack}")
+    return "\n".join(parts)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "allow_loop_blocking: this async test may block its event loop")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # First in the closure: set up before every other fixture of the test, torn down
+    # after them, so their async set-up and tear-down are watched too.
+    for item in items:
+        function = getattr(item, "obj", None)
+        if (isinstance(item, pytest.Function) and inspect.iscoroutinefunction(function)
+                and item.get_closest_marker("allow_loop_blocking") is None
+                and FIXTURE not in item.fixturenames):
+            item.fixturenames.insert(0, FIXTURE)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> object:
+    # Fail the test itself (not its tear-down) when its body blocked the loop.
+    result = yield
+    watchdog = getattr(item, "funcargs", {}).get(FIXTURE)
+    if isinstance(watchdog, LoopWatchdog) and watchdog.settle():
+        blocks, watchdog.blocks = watchdog.blocks, []
+        pytest.fail(describe(blocks, watchdog.threshold_s), pytrace=False)
+    return result
+
+
+@pytest.fixture(name=FIXTURE)
+async def loop_watchdog_fixture() -> AsyncIterator[LoopWatchdog]:
+    """Fail the test if its event loop stops answering for longer than the threshold."""
+    threshold = threshold_s()
+    watchdog = LoopWatchdog(asyncio.get_running_loop(), threshold).start()
+    try:
+        yield watchdog
+    finally:
+        blocks = watchdog.stop()
+    if blocks:
+        pytest.fail(describe(blocks, threshold), pytrace=False)

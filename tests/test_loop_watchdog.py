@@ -1,0 +1,73 @@
+"""The loop watchdog (tests/loop_watchdog.py) catches a blocked event loop, and only that.
+
+Threshold 400 ms, from measurements on the shared 2-core machine (load average 4-8)
+across the async tests of tests/router, tests/e2e (not vllm),
+tests/loadgen/test_driver.py and tests/replica/test_fleet.py. With every stall over
+50 ms reported: 51-133 ms (tokenizing a prompt on the loop, stopping redis-server from
+a test, creating an httpx client, scheduling delay), plus two real blocks, now fixed:
+starting redis-server inside the async `index` fixture (100-220 ms) and waiting for a
+gateway process from an async test (1,679 ms). A second run under heavier load stretched
+the same work to 299 ms (a test serialising a large body) and 328 ms (the gateway
+decoding that body on its loop). 400 ms passes both runs and still catches a
+`time.sleep(0.5)` in a coroutine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from loop_watchdog import LoopWatchdog
+
+TESTS = Path(__file__).resolve().parent
+
+
+async def blocking_step() -> None:
+    time.sleep(0.5)  # noqa: ASYNC251 (the mistake the watchdog exists to catch)
+
+
+@pytest.mark.allow_loop_blocking
+async def test_a_sleep_inside_a_coroutine_is_caught_with_its_stack() -> None:
+    watchdog = LoopWatchdog(asyncio.get_running_loop(), threshold_s=0.1).start()
+    await asyncio.sleep(0.05)
+    await blocking_step()
+    await asyncio.sleep(0.05)
+    blocks = watchdog.stop()
+    assert len(blocks) == 1
+    assert 0.4 <= blocks[0].seconds < 2.0
+    assert "blocking_step" in blocks[0].stack and "time.sleep(0.5)" in blocks[0].stack
+
+
+async def test_waiting_without_blocking_is_not_a_stall() -> None:
+    watchdog = LoopWatchdog(asyncio.get_running_loop(), threshold_s=0.1).start()
+    await asyncio.sleep(0.3)  # idle in the selector
+    await asyncio.to_thread(time.sleep, 0.3)  # blocking, but off the loop
+    assert watchdog.stop() == []
+
+
+def test_an_async_test_that_blocks_its_loop_fails(tmp_path: Path) -> None:
+    (tmp_path / "conftest.py").write_text(
+        "from loop_watchdog import loop_watchdog_fixture, pytest_collection_modifyitems, "
+        "pytest_configure, pytest_runtest_call  # noqa: F401\n")
+    (tmp_path / "test_blocks.py").write_text(
+        "import asyncio, time\n\n"
+        "async def test_blocks():\n"
+        "    await asyncio.sleep(0.01)\n"
+        "    time.sleep(0.5)\n\n"
+        "async def test_does_not_block():\n"
+        "    await asyncio.sleep(0.3)\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_mode = auto\n"
+                                         "asyncio_default_fixture_loop_scope = function\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={"PYTHONPATH": str(TESTS), "PATH": "/usr/bin:/bin"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "1 failed, 1 passed" in out, out
+    assert "the event loop was blocked 1 time(s) for more than 400 ms" in out
+    assert "time.sleep(0.5)" in out and "test_blocks" in out
