@@ -26,7 +26,9 @@ from router.recording import record_route
 from router.replicas import Replica
 from router.request import ENDPOINTS, ClientError, ParsedRequest, parse_request, upstream_payload
 from router.routing import KnownTokens, Route
+from router.suspects import request_fingerprint
 from router.tenants import Tenant
+from router.vllm_rules import check_context
 
 log = logging.getLogger(__name__)
 
@@ -124,19 +126,15 @@ def _overloaded(gw: Gateway, tenant: Tenant, exc: Overloaded) -> web.Response:
 
 
 def _check_context_length(gw: Gateway, parsed: ParsedRequest, prompt_tokens: int) -> None:
-    """Refuse a prompt that cannot fit the model (vLLM's rule and message), before any
-    replica spends a prefill on finding out; only where the gateway knows the limit."""
+    """Refuse what vLLM 0.32 refuses for the prompt's length (its rule and words, see
+    router/vllm_rules.py), before any replica spends a prefill on finding out; only where
+    the gateway knows the limit. A batch is checked by its first prompt (the one routed)."""
     tokenizer = gw.tokenizers.get(parsed.model)
     limit = tokenizer.max_model_len if tokenizer is not None else 0
     if not limit or not prompt_tokens:
         return
-    wanted = prompt_tokens + (parsed.max_tokens or 0)
-    if prompt_tokens >= limit or wanted > limit:
-        raise ClientError(
-            f"This model's maximum context length is {limit} tokens. However, you "
-            f"requested {wanted} tokens ({prompt_tokens} in the prompt, "
-            f"{parsed.max_tokens or 0} in the completion). Please reduce the length of the "
-            "prompt or completion.", param="messages" if "messages" in parsed.body else "prompt")
+    check_context(parsed.body, parsed.endpoint == "chat", prompt_tokens, limit,
+                  text_prompt=parsed.token_ids is None)
 
 
 async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: list[Replica],
@@ -153,7 +151,10 @@ async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: 
                          stream=parsed.stream, payload=payload,
                          client_wants_usage=parsed.client_wants_usage, strip_token_ids=strip,
                          max_tokens=parsed.max_tokens,
-                         predicted_work=route.decision.predicted_work)
+                         predicted_work=route.decision.predicted_work,
+                         fingerprint=request_fingerprint(route.prompt.keys,
+                                                         route.prompt.num_tokens, parsed.raw,
+                                                         route.cache_salt))
     expose = gw.config.proxy.expose_routing_headers
 
     def response_headers(replica: Replica) -> dict[str, str]:

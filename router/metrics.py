@@ -175,6 +175,15 @@ class GatewayMetrics:
         self.overloaded = Counter(
             "cacheroute_overloaded_total", "Requests refused with 429 by admission control.",
             ["tenant"], registry=r)
+        self.suspects = Counter(
+            "cacheroute_suspect_requests_total",
+            "Requests that failed as their replica died (router/suspects.py), by replica and "
+            "whether their fingerprint is now refused or only has a strike.",
+            ["replica", "outcome"], registry=r)
+        self.suspect_refusals = Counter(
+            "cacheroute_suspect_refusals_total",
+            "Requests refused because an identical one coincided with a replica dying.",
+            registry=r)
         self.client_disconnects = Counter(
             "cacheroute_client_disconnects_total",
             "Requests whose client went away before the response finished.", registry=r)
@@ -259,6 +268,14 @@ class GatewayMetrics:
     def record_overloaded(self, tenant: str) -> None:
         """A request refused by admission control."""
         self.overloaded.labels(tenant).inc()
+
+    def record_suspect(self, replica: str, refused: bool) -> None:
+        """A request failed as `replica` died: its fingerprint is refused, or has a strike."""
+        self.suspects.labels(replica, "refused" if refused else "strike").inc()
+
+    def record_suspect_refusal(self) -> None:
+        """A request was refused because its fingerprint is a suspect's."""
+        self.suspect_refusals.inc()
 
     def record_client_disconnect(self) -> None:
         """The client went away mid-request."""

@@ -9,6 +9,15 @@ timeout) is retryable on the next replica in the decision's ranking, within a re
 budget. After the first byte nothing is retried: the stream ends with a well-formed SSE
 error event and `data: [DONE]`.
 
+Which failures move on: only those that are the replica's state, not the request's. A
+connection refused, a 503 (not ready, overloaded) and a stall (no first token in time: a
+paused or wedged replica) go to the next replica. A 5xx or a lost connection after the
+replica accepted the request first asks the replica's /health: if it is dying, the
+request may be what killed it (vLLM's EngineCore dies on some inputs), so it is not
+carried to the next replica but answered with an error and held back for a while
+(router/suspects.py); a lost connection is carried once, since a replica killed from
+outside looks the same.
+
 Timeouts are explicit and there is no total timeout (it would cut long generations):
 connect, first token (request sent -> first content event), and idle (between events).
 A non-streamed response shows no tokens until it is done, so its deadline is the first-
@@ -39,6 +48,7 @@ from router.config import ProxyConfig
 from router.metrics import GatewayMetrics
 from router.replicas import Fleet, Replica
 from router.request import error_payload
+from router.suspects import Fingerprint, SuspectList, Suspicion, request_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +106,16 @@ class UpstreamRequest:
     # replica id -> (predicted prefill seconds, predicted TTFT seconds), for the replica's
     # outstanding-work account (router/outstanding.py); replicas not named count 0.
     predicted_work: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    # Identifies the request again (router/suspects.py); None: a hash of the body.
+    fingerprint: Fingerprint | None = None
+
+    def identity(self) -> Fingerprint:
+        """The request's fingerprint, computed from the body when none was given."""
+        if self.fingerprint is None:
+            body = self.payload if self.payload is not None else \
+                json.dumps(self.body, sort_keys=True).encode()
+            self.fingerprint = request_fingerprint({}, 0, body, None)
+        return self.fingerprint
 
 
 @dataclass
@@ -116,13 +136,21 @@ class ProxyOutcome:
 
 
 class UpstreamFailure(Exception):
-    """An attempt failed before any byte reached the client; safe to retry elsewhere."""
+    """An attempt failed before any byte reached the client.
 
-    def __init__(self, reason: str, detail: str, status: int = 502) -> None:
+    `accepted`: the replica had taken the request on (it answered 5xx other than 503, or
+    the connection was lost after the request went out), so the request itself may be
+    the cause; such a failure moves on only while the replica stays healthy.
+    """
+
+    def __init__(self, reason: str, detail: str, status: int = 502, *,
+                 accepted: bool = False) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
         self.status = status
+        self.accepted = accepted
+        self.status_seen = 0  # the replica's own HTTP status, where it answered one
 
 
 class _SSEReader:
@@ -246,6 +274,7 @@ class Forwarder:
         self._metrics = metrics
         self._rng = rng or random.Random()
         self.budget = RetryBudget(settings.retry_budget_ratio, settings.min_retry_budget)
+        self.suspects = SuspectList(settings.suspect_ttl_s, settings.suspect_capacity)
 
     async def forward(self, request: web.Request, up: UpstreamRequest,
                       ranked: Sequence[Replica],
@@ -253,6 +282,14 @@ class Forwarder:
                       ) -> tuple[web.StreamResponse, ProxyOutcome]:
         """Try `ranked` in order (at most 1 + max_retries attempts) and answer the client."""
         outcome = ProxyOutcome()
+        if len(self.suspects):
+            suspicion = self.suspects.refused(up.identity())
+            if suspicion is not None:
+                self._metrics.record_suspect_refusal()
+                outcome.status = 422
+                outcome.error = "suspect request"
+                return json_error(422, suspicion.message(self.suspects.now()),
+                                  "invalid_request_error"), outcome
         self.budget.inflight += 1
         retrying = False
         try:
@@ -286,6 +323,16 @@ class Forwarder:
                         self._metrics.record_ejection(replica.replica_id)
                     log.warning("attempt %d on %s failed before the first byte: %s",
                                 outcome.attempts, replica.replica_id, failure)
+                    suspicion = await self._suspect(replica, up, failure)
+                    if suspicion is not None and suspicion.refused:
+                        outcome.status = 502
+                        outcome.error = f"suspect: {failure}"
+                        return json_error(502, (
+                            f"replica {replica.replica_id} failed while serving this request "
+                            f"({failure.detail[:200]}) and then failed its health check "
+                            f"({suspicion.cause}): the request may be what killed it, so it "
+                            "is not retried on another replica, and identical requests are "
+                            f"refused for {self.suspects.ttl_s:.0f}s"), "upstream_error"), outcome
             if last is None:
                 outcome.status = 503
                 outcome.error = "no replica available"
@@ -299,6 +346,40 @@ class Forwarder:
             if retrying:
                 self.budget.release()
             self.budget.inflight -= 1
+
+    async def _suspect(self, replica: Replica, up: UpstreamRequest,
+                       failure: UpstreamFailure) -> Suspicion | None:
+        """When the replica accepted the request and is now failing its health, record
+        the request as a suspect (router/suspects.py); None when the replica is healthy
+        or the failure was never the request's."""
+        if not failure.accepted:
+            return None
+        problem = await self._health_problem(replica)
+        if problem is None:
+            return None
+        conclusive = failure.reason != "reset"
+        what = f"HTTP {failure.status_seen}" if conclusive else "connection lost"
+        suspicion = self.suspects.strike(up.identity(), replica.replica_id,
+                                         f"{what}, then {problem}", conclusive=conclusive)
+        self._metrics.record_suspect(replica.replica_id, suspicion.refused)
+        verdict = (f"refused for {self.suspects.ttl_s:.0f}s" if suspicion.refused
+                   else f"strike {suspicion.strikes}, retried")
+        log.warning("request %s suspected of killing replica %s (%s, then %s): %s",
+                    up.headers.get("x-request-id", "-"), replica.replica_id, what, problem,
+                    verdict)
+        return suspicion
+
+    async def _health_problem(self, replica: Replica) -> str | None:
+        """Ask the replica's /health now (a short deadline); None when it answers 200."""
+        timeout = aiohttp.ClientTimeout(total=self.settings.suspect_probe_timeout_s)
+        try:
+            async with self._session.get(f"{replica.base_url}/health", timeout=timeout) as resp:
+                await resp.read()
+                return None if resp.status == 200 else f"/health {resp.status}"
+        except TimeoutError:
+            return "/health timed out"
+        except (aiohttp.ClientError, OSError) as exc:
+            return f"/health {type(exc).__name__}"
 
     def _backoff(self, attempt: int) -> float:
         """Full-jitter exponential backoff, so retries from many requests spread out."""
@@ -336,7 +417,7 @@ class Forwarder:
                             timeout=timeout)
                     if resp.status >= 500:
                         text = (await resp.content.read(_MAX_ERROR_BODY)).decode(errors="replace")
-                        raise UpstreamFailure("status_5xx", f"HTTP {resp.status}: {text[:200]}")
+                        raise _status_failure(resp.status, text)
                     if resp.status >= 400 or not up.stream:
                         payload = await resp.read()
                     else:
@@ -346,6 +427,11 @@ class Forwarder:
                             if event is None:
                                 raise UpstreamFailure("reset", "stream ended before any content")
                             out, content = state.process(event)
+                            failed = _error_event_status(event)
+                            if failed is not None:
+                                # The replica failed it before any content: as a 5xx answer.
+                                raise _status_failure(failed, _event_data(event).decode(
+                                    errors="replace"))
                             if out is not None:
                                 held.append(out)
                             if content or not s.hold_until_content:
@@ -362,7 +448,8 @@ class Forwarder:
             except aiohttp.ClientConnectorError as exc:
                 raise UpstreamFailure("connect", str(exc)) from exc
             except (aiohttp.ClientError, ConnectionError) as exc:
-                raise UpstreamFailure("reset", f"{type(exc).__name__}: {exc}") from exc
+                raise UpstreamFailure("reset", f"{type(exc).__name__}: {exc}",
+                                      accepted=True) from exc
 
             self._fleet.report_success(replica)
             outcome.status = resp.status
@@ -454,6 +541,30 @@ class Forwarder:
             yield b"data: " + json.dumps(err).encode() + b"\n\n"
             yield DONE
             return
+
+
+def _status_failure(status: int, text: str) -> UpstreamFailure:
+    """A 5xx answer: 503 is the replica's state (not ready, overloaded); any other the
+    replica took the request on and failed it, which may be the request's doing."""
+    if status == 503:
+        failure = UpstreamFailure("status_503", f"HTTP 503: {text[:200]}")
+    else:
+        failure = UpstreamFailure("status_5xx", f"HTTP {status}: {text[:200]}", accepted=True)
+    failure.status_seen = status
+    return failure
+
+
+def _error_event_status(event: bytes) -> int | None:
+    """The 5xx status of an SSE error event (vLLM streams engine failures so), else None."""
+    data = _event_data(event)
+    if b'"error"' not in data:
+        return None
+    try:
+        err = json.loads(data).get("error")
+        code = int(err.get("code")) if isinstance(err, dict) else 0
+    except (ValueError, TypeError, AttributeError):
+        return None
+    return code if code >= 500 else None
 
 
 # Body fields that change how /tokenize renders a prompt (vLLM's TokenizeRequest).

@@ -392,6 +392,10 @@ def _proxy(s: _Section) -> ProxyConfig:
         max_body_bytes=s.get("max_body_bytes", _pos_int, d.max_body_bytes),
         expose_routing_headers=s.get("expose_routing_headers", _bool, d.expose_routing_headers),
         tokenize_mode=s.get("tokenize_mode", _choice(*TOKENIZE_MODES), d.tokenize_mode),
+        suspect_ttl_s=s.get("suspect_ttl_s", _nonneg_number, d.suspect_ttl_s),
+        suspect_capacity=s.get("suspect_capacity", _pos_int, d.suspect_capacity),
+        suspect_probe_timeout_s=s.get("suspect_probe_timeout_s", _pos_number,
+                                      d.suspect_probe_timeout_s),
     )
     s.finish()
     return out

@@ -152,6 +152,11 @@ class ProxyConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     expose_routing_headers: bool = False
     tokenize_mode: str = "local"
+    # A request that fails as its replica dies is refused this long (router/suspects.py),
+    # at most this many fingerprints kept; the probe asks the failed replica's /health.
+    suspect_ttl_s: float = 300.0
+    suspect_capacity: int = 10_000
+    suspect_probe_timeout_s: float = 1.0
 
 
 @dataclass(frozen=True)

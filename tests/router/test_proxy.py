@@ -24,6 +24,7 @@ from router.replicas import (
     ReplicaSource,
     parse_prometheus_gauges,
 )
+from router.suspects import SuspectList, request_fingerprint
 from router.tenants import derive_salt
 
 Handler = Callable[["Upstream", web.Request], Awaitable[web.StreamResponse]]
@@ -43,6 +44,10 @@ def content(text: str, **extra: Any) -> dict[str, Any]:
             "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None, **extra}]}
 
 
+ENGINE_DEAD = {"error": {
+    "message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+    "type": "InternalServerError", "param": None, "code": 500}}
+
 USAGE = {"id": "c1", "object": "chat.completion.chunk", "choices": [],
          "usage": {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42,
                    "prompt_tokens_details": {"cached_tokens": 32}}}
@@ -61,6 +66,7 @@ class Upstream:
     release: asyncio.Event = field(default_factory=asyncio.Event)
     runner: web.AppRunner | None = None
     port: int = 0
+    health_status: int = 200  # what its /health answers (503: an engine that died)
 
     @property
     def url(self) -> str:
@@ -68,7 +74,7 @@ class Upstream:
 
     async def start(self) -> None:
         app = web.Application()
-        app.router.add_get("/health", _health)
+        app.router.add_get("/health", self._health)
         app.router.add_post("/v1/chat/completions", self._handle)
         # handler_cancellation: the upstream notices the gateway dropping the connection,
         # as vLLM does (it aborts the request).
@@ -87,14 +93,13 @@ class Upstream:
             self.cancelled.set()
             raise
 
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({}, status=self.health_status)
+
     async def stop(self) -> None:
         self.release.set()
         if self.runner is not None:
             await self.runner.cleanup()
-
-
-async def _health(request: web.Request) -> web.Response:
-    return web.json_response({})
 
 
 async def _stream(request: web.Request, *chunks: bytes) -> web.StreamResponse:
@@ -122,6 +127,33 @@ async def ok_json(up: Upstream, request: web.Request) -> web.StreamResponse:
 
 async def fail_500(up: Upstream, request: web.Request) -> web.StreamResponse:
     return web.json_response({"error": "boom"}, status=500)
+
+
+async def engine_dies(up: Upstream, request: web.Request) -> web.StreamResponse:
+    """vLLM's EngineCore dying on this request: 500, and /health fails from then on."""
+    up.health_status = 503
+    return web.json_response(ENGINE_DEAD, status=500)
+
+
+async def engine_dies_in_stream(up: Upstream, request: web.Request) -> web.StreamResponse:
+    """The same in a stream: 200 went out, the error comes as the first event after the role."""
+    up.health_status = 503
+    resp = await _stream(request, sse(ROLE), sse(ENGINE_DEAD), b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def overloaded_503(up: Upstream, request: web.Request) -> web.StreamResponse:
+    up.health_status = 503  # not ready: the replica's state, never the request's
+    return web.json_response({"error": "not ready"}, status=503)
+
+
+async def dies_mid_request(up: Upstream, request: web.Request) -> web.StreamResponse:
+    """The process goes away with the request taken: connection lost, /health fails."""
+    up.health_status = 503
+    assert request.transport is not None
+    request.transport.close()
+    return web.Response()
 
 
 async def stall_after_role(up: Upstream, request: web.Request) -> web.StreamResponse:
@@ -433,3 +465,103 @@ async def test_gateway_injects_the_tenant_salt_and_forwards_tracing_headers() ->
         assert got[-1] == "[DONE]" and USAGE not in got  # usage chunk hidden: not asked for
     finally:
         await up.stop()
+
+
+# ------------------------------------------------------------- requests that kill replicas
+
+
+async def test_5xx_from_a_replica_that_then_fails_health_is_not_carried_and_is_refused(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    h = await make_harness(engine_dies, ok_json, suspect_ttl_s=60.0)
+    dying = h.upstreams[0].url.split("//")[1]
+    status, _, text = await post(h, {"prompt": "poison"})
+    assert status == 502
+    error = json.loads(text)["error"]
+    assert error["type"] == "upstream_error"
+    assert f"replica {dying} failed while serving this request" in error["message"]
+    assert "/health 503" in error["message"] and "refused for 60s" in error["message"]
+    assert h.upstreams[1].hits == 0  # never carried to the next replica
+    assert metric(h, "cacheroute_suspect_requests_total", replica=dying,
+                  outcome="refused") == 1
+    # The client's own retry is refused at the gateway: no replica sees it.
+    h.upstreams[0].health_status = 200
+    status, _, text = await post(h, {"prompt": "poison"})
+    assert status == 422
+    error = json.loads(text)["error"]
+    assert error["type"] == "invalid_request_error"
+    assert f"when replica {dying} died (HTTP 500, then /health 503)" in error["message"]
+    assert h.upstreams[0].hits == 1 and h.upstreams[1].hits == 0
+    assert metric(h, "cacheroute_suspect_refusals_total") == 1
+    # Another request is not held back.
+    h.upstreams[0].behaviour = ok_json
+    status, _, text = await post(h, {"prompt": "ordinary"})
+    assert status == 200 and h.upstreams[0].hits == 2, text
+
+
+async def test_an_engine_death_in_a_stream_before_content_counts_as_a_5xx(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    h = await make_harness(engine_dies_in_stream, ok_stream)
+    status, _, text = await post(h, {"stream": True, "prompt": "poison"})
+    assert status == 502 and "failed its health check" in json.loads(text)["error"]["message"]
+    assert h.upstreams[1].hits == 0
+    assert h.outcomes[0].failures[0][1] == "status_5xx"
+    status, _, _ = await post(h, {"stream": True, "prompt": "poison"})
+    assert status == 422 and h.upstreams[1].hits == 0
+
+
+async def test_a_503_is_the_replicas_state_and_moves_on_even_while_health_fails(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    h = await make_harness(overloaded_503, ok_json)
+    for _ in range(2):
+        status, _, _ = await post(h, {"prompt": "same"})
+        assert status == 200
+    assert h.outcomes[0].failures[0][1] == "status_503"
+    assert len(h.forwarder.suspects) == 0
+    assert metric(h, "cacheroute_suspect_requests_total",
+                  replica=h.upstreams[0].url.split("//")[1], outcome="refused") == 0
+
+
+async def test_a_connection_lost_as_the_replica_dies_moves_on_once_then_is_refused(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    # A lost connection is also what a replica killed from outside looks like: its
+    # requests move on, but the same request coinciding with a second death is refused.
+    h = await make_harness(dies_mid_request, dies_mid_request, ok_json)
+    status, _, text = await post(h, {"prompt": "poison"})
+    assert status == 502, text
+    assert "connection lost, then /health" in json.loads(text)["error"]["message"]
+    assert [u.hits for u in h.upstreams] == [1, 1, 0]
+    first, second = (u.url.split("//")[1] for u in h.upstreams[:2])
+    assert metric(h, "cacheroute_suspect_requests_total", replica=first, outcome="strike") == 1
+    assert metric(h, "cacheroute_suspect_requests_total", replica=second,
+                  outcome="refused") == 1
+    status, _, _ = await post(h, {"prompt": "poison"})
+    assert status == 422 and [u.hits for u in h.upstreams] == [1, 1, 0]
+
+
+def test_suspect_list_expires_and_stays_bounded() -> None:
+    now = [0.0]
+    suspects = SuspectList(ttl_s=10.0, capacity=3, clock=lambda: now[0])
+    assert suspects.strike(b"a", "r0", "x", conclusive=False).refused is False
+    assert suspects.refused(b"a") is None  # one strike is not a refusal
+    assert suspects.strike(b"a", "r1", "x", conclusive=False).refused is True
+    assert suspects.refused(b"a") is not None
+    for fp in (b"b", b"c", b"d"):
+        now[0] += 1.0
+        suspects.strike(fp, "r0", "x", conclusive=True)
+    assert len(suspects) == 3 and suspects.refused(b"a") is None  # the oldest went first
+    now[0] += 9.5  # b was marked at 1.0: expired at 11.0; d (3.0) lives until 13.0
+    assert suspects.refused(b"b") is None and suspects.refused(b"d") is not None
+    now[0] += 10.0
+    suspects.expire()
+    assert len(suspects) == 0
+
+
+def test_fingerprint_is_the_last_block_key_and_length_scoped_by_salt() -> None:
+    body = b'{"prompt": [1, 2, 3]}'
+    keys = {"g": (11, 22, 33)}
+    same = request_fingerprint(keys, 50, b'{"prompt":[1,2,3]}', None)
+    assert request_fingerprint(keys, 50, body, None) == same  # re-encoded body, same prompt
+    assert request_fingerprint({"g": (11, 22, 34)}, 50, body, None) != same
+    assert request_fingerprint(keys, 51, body, None) != same
+    assert request_fingerprint(keys, 50, body, "tenant-b") != same
+    assert request_fingerprint({}, 0, body, None) != request_fingerprint({}, 0, body + b" ", None)
