@@ -23,11 +23,20 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
+import socket
 import sys
 from dataclasses import dataclass
 
-from router.events import DEFAULT_REPLAY_TIMEOUT_S, ReplicaFeed
-from router.index import MemoryIndex, PrefixIndex, RedisIndex
+from router.events import DEFAULT_REPLAY_TIMEOUT_S, ReplicaFeed, lead_while_holding
+from router.index import (
+    DEFAULT_LEASE_TTL_S,
+    IndexerLease,
+    LeaseSettings,
+    MemoryIndex,
+    PrefixIndex,
+    RedisIndex,
+)
 from router.indexer import REKEY_SETTINGS, DnsReplicas, feeds_from_config, run_indexer
 
 log = logging.getLogger(__name__)
@@ -80,6 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how often to log each stream's counters (default 30)")
     parser.add_argument("--replay-timeout", type=float, default=DEFAULT_REPLAY_TIMEOUT_S,
                         metavar="SECONDS", help="deadline for one replay request")
+    parser.add_argument("--lease", action="store_true",
+                        help="active/standby: index only while holding the Redis lease "
+                        "(run two or more; see router/events/leadership.py)")
+    parser.add_argument("--lease-ttl", type=float, default=DEFAULT_LEASE_TTL_S,
+                        metavar="SECONDS", help="how long a lease lasts unrenewed: a standby "
+                        f"takes over within about this long (default {DEFAULT_LEASE_TTL_S})")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -119,9 +134,50 @@ def run(args: argparse.Namespace) -> int:
         log.warning("--index memory: the entries stay in this process (a dry run)")
         index = MemoryIndex()
     elif index_url.startswith(("redis://", "rediss://", "unix://")):
+        if args.lease:
+            return asyncio.run(_run_leased(args, feeds, dns, index_url, password))
         index = RedisIndex.from_url(index_url, password=password)
+    elif args.lease:
+        print("--lease needs a redis:// index", file=sys.stderr)
+        return 2
     else:
         print(f"--index must be a redis:// URL or 'memory', got {index_url!r}", file=sys.stderr)
         return 2
     return asyncio.run(run_indexer(feeds, dns, index, replay_timeout_s=args.replay_timeout,
                                    stats_interval_s=args.stats_interval))
+
+
+async def _run_leased(args: argparse.Namespace, feeds: list[ReplicaFeed], dns: list[DnsReplicas],
+                      index_url: str, password: str | None) -> int:
+    """Index while holding the lease, stand by otherwise, until SIGTERM/SIGINT."""
+    settings = LeaseSettings(f"{socket.gethostname()}:{os.getpid()}", args.lease_ttl)
+    lease_index = RedisIndex.from_url(index_url, password=password)
+    lease = IndexerLease(lease_index.client, settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signals() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+
+    async def lead(token: int) -> None:
+        # run_indexer installs its own signal handlers while it leads, returns on them and
+        # removes them: ours are back once it ends, however it ends.
+        index = RedisIndex.from_url(index_url, password=password, fence_token=token)
+        try:
+            await run_indexer(feeds, dns, index, replay_timeout_s=args.replay_timeout,
+                              stats_interval_s=args.stats_interval)
+            stop.set()
+        finally:
+            on_signals()
+
+    on_signals()
+    log.info("standing by for the indexer lease as %s (ttl %.1fs)", settings.holder,
+             settings.ttl_s)
+    try:
+        await lead_while_holding(lease, lead, stop)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await lease_index.close()
+    return 0

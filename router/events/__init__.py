@@ -13,9 +13,11 @@ index: tested by feeding them batches):
                monitor) that feeds the tracker and performs its plans on the index.
 
 subscriptions.py runs one stream per replica as discovery adds and removes them
-(`EventIndexer`, fed `ReplicaFeed`s); stats.py holds the counters all of them keep.
+(`EventIndexer`, fed `ReplicaFeed`s); stats.py holds the counters all of them keep;
+leadership.py runs the indexing only while this indexer holds the lease (active/standby).
 """
 
+from router.events.leadership import lead_while_holding
 from router.events.planning import DEFAULT_MEDIA, BatchPlanner, RekeyMode
 from router.events.sequence import SequenceTracker
 from router.events.stats import StreamStats
@@ -39,4 +41,5 @@ __all__ = [
     "ReplicaFeed",
     "SequenceTracker",
     "StreamStats",
+    "lead_while_holding",
 ]

@@ -18,6 +18,8 @@ index is only as right as this bookkeeping:
 - The connection to the publisher dropped and came back (`disconnected`): the next batch
   may be a restarted replica's even if its seq follows ours, so it is checked through the
   replay as a gap would be (without replay: clear, follow).
+- Resuming (`resume`: a leased indexer took over from another, which stored its position
+  with its writes): as after a reconnect, from that position; the replay fills the rest.
 - First contact (and after `lost_sync`: the index failed, or the gateway marked the
   replica stale): whatever the index holds for this replica may be stale, so clear it
   and replay from 0 to rebuild from the replica's buffer.
@@ -161,6 +163,19 @@ class SequenceTracker:
             self._ts_seq = seq
         # Published last: a reader seeing this seq finds the batch's writes in the index.
         self._stats.last_seq = seq
+
+    def resume(self, seq: int, ts: float | None) -> None:
+        """Start after a batch another indexer applied (its stored StreamPosition).
+
+        As after a reconnect, the first batch is checked through the replay, which
+        also returns every batch after `seq` that this stream never saw.
+        """
+        self._last = seq
+        self._ts_seq = seq
+        self._stats.last_seq = seq
+        self._stats.last_event_ts = ts
+        self._reconnected = True
+        self._recovery = None
 
     def disconnected(self) -> None:
         """The connection to the publisher dropped (ZMQ reconnects by itself)."""

@@ -27,7 +27,7 @@ from router.events.planning import DEFAULT_MEDIA, BatchPlanner, RekeyMode
 from router.events.sequence import Clear, SequenceTracker
 from router.events.stats import StreamStats
 from router.hashing import HashConfig
-from router.index import IndexUnavailable, PrefixIndex
+from router.index import IndexUnavailable, PrefixIndex, StreamPosition
 from router.kv_events import END_SEQ, EventBatch, EventDecodeError, parse_seq, seq_bytes
 
 log = logging.getLogger(__name__)
@@ -137,8 +137,22 @@ class ReplicaEventStream:
             self._tracker.lost_sync()
             await self._clear(restart=False)
 
+    async def _resume(self) -> None:
+        """Continue after the position the index kept for this replica, if it kept one."""
+        try:
+            position = await self._index.stream_position(self.replica_id)
+        except IndexUnavailable as exc:
+            log.warning("replica %s: no stored position (%s): starting over", self.replica_id,
+                        exc)
+            return
+        if position is not None:
+            self._tracker.resume(position.seq, position.ts)
+            log.info("replica %s: resuming after seq %d", self.replica_id, position.seq)
+
     async def _run(self) -> None:
         assert self._sub is not None
+        async with self._lock:
+            await self._resume()
         # No deadline on recv: an idle replica legitimately sends nothing. Liveness is
         # judged by the gateway's health checks and stats.last_received_at.
         while True:
@@ -198,7 +212,8 @@ class ReplicaEventStream:
         if batch is not None:
             plan = self._planner.plan(batch)
             # One call for the whole batch: the Redis index writes it in one round trip.
-            await self._index.apply(self.replica_id, plan.ops)
+            await self._index.apply(self.replica_id, plan.ops,
+                                    position=StreamPosition(seq, batch.ts))
             self.stats.clears += sum(1 for op in plan.ops if op.kind == "clear")
             for probe in plan.probes:
                 await self._index.put_probe(

@@ -71,15 +71,18 @@ pooled connections and loads its scripts, so the first concurrent lookups do not
 for connects and script loads inside their few-ms deadline.
 """
 
+from router.index.lease import DEFAULT_LEASE_TTL_S, IndexerLease, LeaseSettings
 from router.index.memory import MemoryIndex
 from router.index.probes import ObservedBlocks
 from router.index.protocol import (
     DEFAULT_WARM_CONNECTIONS,
     EXPIRED_SWEEP,
+    IndexFenced,
     IndexOp,
     IndexUnavailable,
     LookupStrategy,
     PrefixIndex,
+    StreamPosition,
 )
 from router.index.redis import (
     DEFAULT_LOOKUP_TIMEOUT_S,
@@ -88,15 +91,20 @@ from router.index.redis import (
 )
 
 __all__ = [
+    "DEFAULT_LEASE_TTL_S",
     "DEFAULT_LOOKUP_TIMEOUT_S",
     "DEFAULT_OP_TIMEOUT_S",
     "DEFAULT_WARM_CONNECTIONS",
     "EXPIRED_SWEEP",
+    "IndexFenced",
     "IndexOp",
     "IndexUnavailable",
+    "IndexerLease",
+    "LeaseSettings",
     "LookupStrategy",
     "MemoryIndex",
     "ObservedBlocks",
     "PrefixIndex",
     "RedisIndex",
+    "StreamPosition",
 ]

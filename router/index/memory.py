@@ -18,6 +18,7 @@ from router.index.protocol import (
     EXPIRED_SWEEP,
     IndexOp,
     LookupStrategy,
+    StreamPosition,
 )
 
 
@@ -154,8 +155,12 @@ class MemoryIndex:
             for key in self._lru.pop((model, replica), OrderedDict()):
                 self._drop(holders, key, replica)
 
-    async def apply(self, replica: str, ops: Sequence[IndexOp]) -> None:
-        """One KV-event batch's writes for the replica, in order."""
+    async def apply(self, replica: str, ops: Sequence[IndexOp], *,
+                    position: StreamPosition | None = None) -> None:
+        """One KV-event batch's writes for the replica, in order.
+
+        `position` is not kept: this index dies with its process, so no successor resumes.
+        """
         for op in ops:
             if op.kind == "add":
                 self._put(op.scope, replica, op.keys, self._event_ttl_s, self._capacity,
@@ -164,6 +169,10 @@ class MemoryIndex:
                 await self.remove(op.scope, replica, op.keys)
             else:
                 await self.clear_replica(replica)
+
+    async def stream_position(self, replica: str) -> StreamPosition | None:
+        """Always None: nothing here outlives the stream that wrote it."""
+        return None
 
     async def put_probe(
         self,

@@ -50,3 +50,12 @@ local function set_expiry(key, existed, exp)
     redis.call('PEXPIREAT', key, fmt(exp), 'GT')
   end
 end
+-- Fencing: a leased indexer's writes carry the fence key and the token its lease was
+-- granted with as their last two ARGV ('' and '' when unfenced). Once another indexer
+-- takes the lease the fence counter has moved on, and a deposed writer's scripts refuse
+-- before writing anything (router/index/lease.py).
+local function fenced()
+  local fk, token = ARGV[#ARGV - 1], ARGV[#ARGV]
+  return fk ~= '' and redis.call('GET', fk) ~= token
+end
+local FENCED = 'FENCED a newer indexer holds the lease'

@@ -22,6 +22,10 @@ class IndexUnavailable(RuntimeError):
     """The index could not answer within its deadline; route without it."""
 
 
+class IndexFenced(IndexUnavailable):
+    """Another indexer holds the lease now: this one's writes are refused (lease.py)."""
+
+
 @dataclass(frozen=True)
 class IndexOp:
     """One write of a KV-event batch: add or remove `keys` under scope, or clear the replica.
@@ -34,6 +38,18 @@ class IndexOp:
     scope: str = ""
     keys: tuple[int, ...] = ()
     parent: int | None = None
+
+
+@dataclass(frozen=True)
+class StreamPosition:
+    """Where one replica's KV-event stream stands in the index: its last applied batch.
+
+    `ts` is that batch's timestamp, so a successor can tell the same batch from a
+    restarted replica's batch under the same seq.
+    """
+
+    seq: int
+    ts: float | None = None
 
 
 class PrefixIndex(Protocol):
@@ -69,8 +85,18 @@ class PrefixIndex(Protocol):
         """Forget everything the replica holds, under every model scope."""
         ...
 
-    async def apply(self, replica: str, ops: Sequence[IndexOp]) -> None:
-        """One KV-event batch's writes for the replica, in order (add/remove as above)."""
+    async def apply(self, replica: str, ops: Sequence[IndexOp], *,
+                    position: StreamPosition | None = None) -> None:
+        """One KV-event batch's writes for the replica, in order (add/remove as above).
+
+        `position`: the batch's place in the replica's stream, kept with its writes where
+        the index keeps positions (a leased indexer's RedisIndex), so a successor resumes
+        after it.
+        """
+        ...
+
+    async def stream_position(self, replica: str) -> StreamPosition | None:
+        """The position stored with the replica's last applied batch (None: start over)."""
         ...
 
     async def put_probe(

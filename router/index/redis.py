@@ -19,13 +19,20 @@ hash tag; K is the block's 64-bit key as 8 raw big-endian bytes; R the replica i
                   Both flags live exactly as long as NS:{M}:r:R (same expiry, gone with it).
     NS:rm:R       SET   model scopes replica R has entries under (for clear_replica);
                   its TTL follows the replica's longest-lived entry.
+    NS:s:R        STRING  "seq ts": replica R's stream position, the last KV-event batch
+                  whose writes are in the index; kept only by a leased (fenced) indexer,
+                  written last in each batch's pipeline, so a successor resumes after it.
+    NS:lease      STRING  "token holder", with a PX expiry: the active indexer's lease.
+    NS:fence      STRING  the fence counter: the token of the latest lease granted. A
+                  fenced write checks it first and refuses if it moved on (lease.py).
     NS:p:S        STRING  a hash-handshake probe's observation, by its cache salt S
                   (msgpack [replica, block_size, keys, token_ids, rekeyed], probes.py);
                   short TTL (`put_probe`'s ttl_s): the gateway that sent the probe reads it.
 
 Scripts (the .lua files in this package, each headed by its KEYS and ARGV): lookups
-are lookup_bisect.lua or lookup_walk.lua; writes are write.lua (add, record), remove.lua
-and clear.lua (a chunk of clear_replica), each prefixed with prelude.lua's helpers. They
+are lookup_bisect.lua or lookup_walk.lua; writes are write.lua (add, record), remove.lua,
+clear.lua (a chunk of clear_replica) and position.lua, each prefixed with prelude.lua's
+helpers (and its fence check); lease.lua grants and renews the indexer lease (lease.py). They
 are read once, registered with redis-py (register_script: run by EVALSHA, loaded on
 NOSCRIPT, as after a Redis restart) and loaded into Redis by `warm`.
 
@@ -42,7 +49,13 @@ events name only the block, not its chain's root. NS:rm:R lives in another slot 
 written by a separate command in the same pipeline, never from a script. The write
 scripts reach blocks named by the reverse index (trimming) without declaring them; they
 are in the script's slot, which Redis 7 allows. (Only the layout is cluster-ready:
-`RedisIndex` is built and tested on a single-node redis.asyncio.Redis client.)
+`RedisIndex` is built and tested on a single-node redis.asyncio.Redis client.) Fencing
+is not cluster-ready: NS:fence lives in its own slot, which the write scripts read.
+
+Fencing. An index built with `fence_token` (a leased indexer's, lease.py) runs every
+write with the fence key and its token: once another indexer took the lease, each
+write script refuses before writing (`IndexFenced`). It also keeps stream positions
+(NS:s:R) with each batch and clears them with the replica.
 
 Every Redis call has a deadline (socket timeouts, and asyncio.wait_for around each
 operation); a failure raises `IndexUnavailable` so the gateway can route by load alone.
@@ -62,15 +75,18 @@ from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
+from router.index.lease import lease_keys
 from router.index.probes import ObservedBlocks, decode_observation, encode_observation
 from router.index.protocol import (
     DEFAULT_WARM_CONNECTIONS,
     EXPIRED_SWEEP,
+    IndexFenced,
     IndexOp,
     IndexUnavailable,
     LookupStrategy,
+    StreamPosition,
 )
 
 T = TypeVar("T")
@@ -96,6 +112,7 @@ _LOOKUP_BISECT = _lua("lookup_bisect.lua")
 _WRITE = _lua("write.lua", prelude=True)
 _REMOVE = _lua("remove.lua", prelude=True)
 _CLEAR = _lua("clear.lua", prelude=True)
+_POSITION = _lua("position.lua", prelude=True)
 
 
 def _key_bytes(key: int) -> bytes:
@@ -115,8 +132,14 @@ class RedisIndex:
         lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
         op_timeout_s: float = DEFAULT_OP_TIMEOUT_S,
         lookup_strategy: LookupStrategy = "bisect",
+        fence_token: int | None = None,
     ) -> None:
         self._redis = client
+        self._fence_token = fence_token
+        # The fence key and token every write script ends its ARGV with ('' when unfenced).
+        self._fence: tuple[bytes, bytes] = (
+            (b"", b"") if fence_token is None
+            else (lease_keys(namespace)[1], str(fence_token).encode()))
         self._strategy = lookup_strategy
         self._ns = namespace
         self._capacity = capacity_blocks
@@ -130,6 +153,7 @@ class RedisIndex:
         self._write_script = client.register_script(_WRITE)
         self._remove_script = client.register_script(_REMOVE)
         self._clear_script = client.register_script(_CLEAR)
+        self._position_script = client.register_script(_POSITION)
 
     @classmethod
     def from_url(
@@ -186,6 +210,10 @@ class RedisIndex:
             return await asyncio.wait_for(coro, limit_s)
         except TimeoutError as exc:
             raise IndexUnavailable(f"redis {what} exceeded its {limit_s:.3f}s deadline") from exc
+        except ResponseError as exc:
+            if "FENCED" in str(exc):
+                raise IndexFenced(f"redis {what} refused: {exc}") from exc
+            raise IndexUnavailable(f"redis {what} failed: {exc}") from exc
         except (RedisError, OSError) as exc:
             raise IndexUnavailable(f"redis {what} failed: {exc}") from exc
 
@@ -270,14 +298,15 @@ class RedisIndex:
             pipe.persist(models_key)
         pipe.evalsha(self._write_script.sha, len(block_keys) + 2, rk, ck, *block_keys,
                      replica, ttl_ms, cap or 0, prefix, *self._flag_keys(model, replica),
-                     b"" if parent is None else prefix + _key_bytes(parent), EXPIRED_SWEEP)
+                     b"" if parent is None else prefix + _key_bytes(parent), EXPIRED_SWEEP,
+                     *self._fence)
 
     def _queue_remove(self, pipe: Pipeline, model: str, replica: str, keys: Sequence[int]) -> None:
         rk, ck = self._replica_keys(model, replica)
         prefix = self.block_prefix(model)
         block_keys = [prefix + _key_bytes(k) for k in keys]
         pipe.evalsha(self._remove_script.sha, len(block_keys) + 2, rk, ck, *block_keys,
-                     replica, len(prefix), *self._flag_keys(model, replica))
+                     replica, len(prefix), *self._flag_keys(model, replica), *self._fence)
 
     async def _pipelined(self, build: Callable[[Pipeline], None]) -> None:
         # redis-py's pipelines would check SCRIPT EXISTS before every execute, so run
@@ -294,9 +323,39 @@ class RedisIndex:
                     raise
                 await self._redis.script_load(self._write_script.script)
                 await self._redis.script_load(self._remove_script.script)
+                await self._redis.script_load(self._position_script.script)
 
-    async def apply(self, replica: str, ops: Sequence[IndexOp]) -> None:
-        """One KV-event batch's writes for the replica, in order, in one round trip."""
+    def _position_key(self, replica: str) -> bytes:
+        return f"{self._ns}:s:{replica}".encode()
+
+    def _queue_position(self, pipe: Pipeline, replica: str, position: StreamPosition | None
+                        ) -> None:
+        value = b"" if position is None else f"{position.seq} {position.ts!r}".encode()
+        pipe.evalsha(self._position_script.sha, 1, self._position_key(replica), value,
+                     *self._fence)
+
+    async def stream_position(self, replica: str) -> StreamPosition | None:
+        """The position stored with the replica's last applied batch (None: start over).
+
+        Only a fenced index keeps positions; any other answers None.
+        """
+        if self._fence_token is None:
+            return None
+        raw = await self._call(self._redis.get(self._position_key(replica)),
+                               self._op_timeout_s, "stream_position")
+        if raw is None:
+            return None
+        seq, ts = (raw if isinstance(raw, bytes) else raw.encode()).decode().split(" ")
+        return StreamPosition(int(seq), None if ts == "None" else float(ts))
+
+    async def apply(self, replica: str, ops: Sequence[IndexOp], *,
+                    position: StreamPosition | None = None) -> None:
+        """One KV-event batch's writes for the replica, in order, in one round trip.
+
+        A fenced index stores `position` last in the same pipeline: Redis runs one
+        connection's commands in order, so a stored position implies the batch's writes.
+        """
+        keep = self._fence_token is not None and position is not None
         if any(op.kind == "clear" for op in ops):
             for op in ops:
                 if op.kind == "add":
@@ -306,9 +365,13 @@ class RedisIndex:
                     await self.remove(op.scope, replica, op.keys)
                 else:
                     await self.clear_replica(replica)
+            if keep:
+                await self._call(self._pipelined(
+                    lambda pipe: self._queue_position(pipe, replica, position)),
+                    self._op_timeout_s, "apply")
             return
         ops = [op for op in ops if op.keys]
-        if not ops:
+        if not ops and not keep:
             return
 
         def build(pipe: Pipeline) -> None:
@@ -318,6 +381,8 @@ class RedisIndex:
                                       self._capacity, op.parent)
                 else:
                     self._queue_remove(pipe, op.scope, replica, op.keys)
+            if keep:
+                self._queue_position(pipe, replica, position)
 
         await self._call(self._pipelined(build), self._op_timeout_s, "apply")
 
@@ -361,7 +426,7 @@ class RedisIndex:
         await self._call(
             self._remove_script(
                 keys=[rk, ck, *(prefix + _key_bytes(k) for k in keys)],
-                args=[replica, len(prefix), *self._flag_keys(model, replica)],
+                args=[replica, len(prefix), *self._flag_keys(model, replica), *self._fence],
             ),
             self._op_timeout_s,
             "remove",
@@ -369,6 +434,12 @@ class RedisIndex:
 
     async def clear_replica(self, replica: str) -> None:
         """Forget everything the replica holds, under every model scope."""
+        if self._fence_token is not None:
+            # Position first: a successor finding none starts over rather than resuming
+            # after batches this clear removed.
+            await self._call(self._pipelined(
+                lambda pipe: self._queue_position(pipe, replica, None)),
+                self._op_timeout_s, "clear_replica")
         models_key = self._models_key(replica)
         models = await self._call(
             self._redis.smembers(models_key), self._op_timeout_s, "clear_replica"
@@ -381,7 +452,8 @@ class RedisIndex:
             while left:
                 left = await self._call(
                     self._clear_script(keys=[rk, ck], args=[
-                        replica, prefix, _CLEAR_CHUNK, *self._flag_keys(model, replica)]),
+                        replica, prefix, _CLEAR_CHUNK, *self._flag_keys(model, replica),
+                        *self._fence]),
                     self._op_timeout_s,
                     "clear_replica",
                 )
@@ -395,8 +467,10 @@ class RedisIndex:
         return tuple(s.sha for s in self._scripts())
 
     def _scripts(self) -> tuple[AsyncScript, ...]:
+        # Only a fenced index keeps stream positions, so only it runs position.lua.
+        fenced = () if self._fence_token is None else (self._position_script,)
         return (self._walk_script, self._bisect_script, self._write_script,
-                self._remove_script, self._clear_script)
+                self._remove_script, self._clear_script, *fenced)
 
     async def warm(self, connections: int = DEFAULT_WARM_CONNECTIONS) -> None:
         """Open `connections` pooled connections and load every script, before serving.

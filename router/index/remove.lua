@@ -1,6 +1,7 @@
 -- Remove blocks for one replica: `remove` and a remove IndexOp.
 -- KEYS: [1] reverse ZSET, [2] touch counter, [3..] block keys.
--- ARGV: replica, block key prefix length, TTL flag, hole flag.
+-- ARGV: replica, block key prefix length, TTL flag, hole flag, fence key and token.
+if fenced() then return redis.error_reply(FENCED) end
 local rk, ck, replica, plen = KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2])
 for i = 3, #KEYS do
   drop_holder(KEYS[i], replica)

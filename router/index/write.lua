@@ -2,7 +2,9 @@
 -- KEYS: [1] reverse ZSET, [2] touch counter, [3..] block keys in chain order.
 -- ARGV: replica, ttl_ms (0 = never), capacity (0 = unbounded), block key prefix, TTL flag,
 -- hole flag, the key of the first block's parent ('' for a chain root, or unknown),
--- how many expired entries to sweep from the reverse index's head.
+-- how many expired entries to sweep from the reverse index's head, then the fence
+-- key and token (prelude.lua).
+if fenced() then return redis.error_reply(FENCED) end
 local rk, ck = KEYS[1], KEYS[2]
 local replica, ttl, cap, bprefix = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local tk, hk, pk = ARGV[5], ARGV[6], ARGV[7]
