@@ -22,7 +22,7 @@ from router.gateway import (
 )
 from router.policy.pipeline import NoReplicasError
 from router.proxy import UpstreamRequest, json_error, remote_tokenize
-from router.recording import record_route
+from router.recording import holds_unannounced_blocks, record_blocks, record_outcome
 from router.replicas import Replica
 from router.request import ENDPOINTS, ClientError, ParsedRequest, parse_request, upstream_payload
 from router.routing import KnownTokens, Route
@@ -175,13 +175,14 @@ async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: 
     replica = gw.fleet.get(outcome.replica_id) if outcome.replica_id else None
     if replica is not None and outcome.status == 200:
         expect_events(gw, replica, sent_at, outcome.prompt_tokens, outcome.cached_tokens)
-        # A healthy index records within the lookup deadline, so the next request of
-        # the conversation sees it; a slow or black-holed one must not hold the answer
-        # (a non-streamed body goes out only when this handler returns) any longer.
-        task = gw.spawn(ignore_errors(record_route(gw, route, replica, outcome.prompt_tokens,
-                                               outcome.cached_tokens, outcome.output_token_ids)),
-                        "record")
-        await asyncio.wait([task], timeout=gw.config.index.deadline_ms / 1000.0)
+        record_outcome(gw, route, replica, outcome.prompt_tokens, outcome.cached_tokens)
+        if holds_unannounced_blocks(replica, route):
+            # A healthy index records within the lookup deadline, so the next request of
+            # the conversation sees it; a slow or black-holed one must not hold the answer
+            # (a non-streamed body goes out only when this handler returns) any longer.
+            task = gw.spawn(ignore_errors(record_blocks(gw, route, replica,
+                                                        outcome.output_token_ids)), "record")
+            await asyncio.wait([task], timeout=gw.config.index.deadline_ms / 1000.0)
     return response
 
 

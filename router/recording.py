@@ -13,18 +13,31 @@ from router.routing import Route, completion_keys
 
 log = logging.getLogger(__name__)
 
-async def record_route(gw: Gateway, route: Route, replica: Replica, prompt_tokens: int | None,
-                  cached_tokens: int | None, output_token_ids: list[int] | None) -> None:
-    """Predicted vs actual cached tokens, and (replicas without events) what it now holds."""
-    predicted = route.predicted_for(replica.replica_id)
-    if cached_tokens is not None:
-        gw.metrics.record_actual(replica.replica_id, route.decision.policy,
-                                 prompt_tokens or route.prompt.num_tokens, cached_tokens, predicted)
-        assert gw.fleet is not None
-        gw.fleet.record_prediction(replica, predicted, cached_tokens)
-    if replica.mode != "record" or route.prompt.tokens is None:
+
+def record_outcome(gw: Gateway, route: Route, replica: Replica, prompt_tokens: int | None,
+                   cached_tokens: int | None) -> None:
+    """Predicted vs actual cached tokens: metrics, and the replica's prediction record."""
+    if cached_tokens is None:
         return
-    assert gw.index is not None and gw.pipeline is not None
+    predicted = route.predicted_for(replica.replica_id)
+    gw.metrics.record_actual(replica.replica_id, route.decision.policy,
+                             prompt_tokens or route.prompt.num_tokens, cached_tokens, predicted)
+    assert gw.fleet is not None
+    gw.fleet.record_prediction(replica, predicted, cached_tokens)
+
+
+def holds_unannounced_blocks(replica: Replica, route: Route) -> bool:
+    """Whether the gateway must write what `replica` now holds: it publishes no KV events."""
+    return replica.mode == "record" and route.prompt.tokens is not None
+
+
+async def record_blocks(gw: Gateway, route: Route, replica: Replica,
+                        output_token_ids: list[int] | None) -> None:
+    """Write the blocks a replica without KV events now holds (prompt and answer) to the
+    index."""
+    if not holds_unannounced_blocks(replica, route):
+        return
+    assert gw.index is not None and gw.pipeline is not None and route.prompt.tokens is not None
     config = replica.target.hash_config
     keys: list[int] | tuple[int, ...] = route.prompt.keys.get(config, ())
     if output_token_ids:
