@@ -193,16 +193,21 @@ def _check_prompt(body: Mapping[str, Any]) -> list[int] | None:
         return None
     if isinstance(prompt, list) and not prompt:
         raise ClientError("'prompt' must not be empty", "prompt")
-    # One prompt per request: the gateway routes a request by its prompt's blocks, and a
-    # batch of prompts would have to be split across replicas to route well.
     if isinstance(prompt, list):
         try:
             return msgspec.convert(prompt, _TokenIds)  # bools and negatives refused
         except msgspec.ValidationError:
             pass
+        # A batch, forwarded whole (vLLM answers one choice per prompt) and routed by its
+        # first prompt's blocks: the one prompt whose ids the gateway keys.
+        if all(isinstance(p, str) for p in prompt):
+            return None
+        try:
+            return msgspec.convert(prompt, list[_TokenIds])[0]
+        except msgspec.ValidationError:
+            pass
     raise ClientError("'prompt' must be a string or an array of token ids (non-negative "
-                      "integers); batched prompts are not supported, send one request per "
-                      "prompt", "prompt")
+                      "integers), or a batch: a non-empty array of either", "prompt")
 
 
 # Ids beyond int64 are no token of any vocabulary (and would not pack for hashing).

@@ -35,6 +35,7 @@ from router.policy.pipeline import NoReplicasError
 from router.policy.types import ReplicaState, RoutingDecision, RoutingRequest
 from router.replicas import Replica
 from router.request import ParsedRequest
+from router.vllm_rules import skips_prefix_cache
 
 
 class Tokenizer(Protocol):
@@ -295,7 +296,8 @@ def snapshot(replica: Replica, matched_blocks: int, now: float,
         waiting=waiting, kv_usage=replica.kv_usage, matched_blocks=matched_blocks,
         block_size=t.hash_config.block_size, profile=t.prefill,
         models=frozenset(t.models) if t.models else None, ejected=replica.ejected(now),
-        capacity=t.max_concurrency, queued_prefill_s=work.wait_s, decoding=work.decoding,
+        capacity=t.max_concurrency, queued_prefill_s=work.wait_s, pending=work.pending,
+        decoding=work.decoding,
         external_running=external_running, external_waiting=external_waiting,
         mean_prefill_s=work.mean_prefill_s, bias=work.bias,
         scrape_age_s=max(0.0, now - replica.scraped_at) if replica.scraped_at else 0.0,
@@ -369,7 +371,10 @@ class RoutingPipeline:
                 cache_salt)
         else:
             prompt = prepare_prompt(tokenizer, self.chains, parsed, list(members), cache_salt)
-        lookup = await lookup_matches(self.index, parsed.model, prompt.keys, members,
+        # vLLM does not read its prefix cache for this request: no replica gets credit.
+        readable: Mapping[HashConfig, tuple[int, ...]] = {} if skips_prefix_cache(parsed.body, parsed.endpoint == "chat") \
+            else prompt.keys
+        lookup = await lookup_matches(self.index, parsed.model, readable, members,
                                       self.index_deadline_s)
         # Tokenizing and the lookup took time (a burst queues in the executor): the
         # outstanding work is read as of now, not as of the request's arrival.
@@ -377,7 +382,7 @@ class RoutingPipeline:
         matches: Mapping[str, int] = lookup.matches
         if self.pending is not None:
             # Prefixes routed moments ago whose replica has not announced them yet.
-            for config, chain in prompt.keys.items():
+            for config, chain in readable.items():
                 matches = merge_matches(matches, self.pending.matches(
                     parsed.model, chain, members.get(config, ()), now))
         # A replica with little traffic yet borrows its fleet's learned TTFT bias.

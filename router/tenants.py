@@ -161,6 +161,13 @@ class TenantRegistry:
         if client_salt is None:
             return tenant.salt
         if tenant.allow_client_salt != "namespace":
+            if tenant.salt is None:
+                # An unsalted tenant shares the public pool: no salt is set for it at all.
+                raise ClientSaltRejected(
+                    f"tenant {tenant.tenant_id!r} is unsalted (it shares the public prefix "
+                    "cache) and its allow_client_salt policy is 'reject': remove cache_salt "
+                    "from the request"
+                )
             raise ClientSaltRejected(
                 f"cache_salt is set by the gateway for tenant {tenant.tenant_id!r}; "
                 "remove it from the request"

@@ -118,7 +118,7 @@ def test_unknown_model_is_404_and_names_the_served_models() -> None:
     assert "'gpt-5'" in err.message and "tiny" in err.message
 
 
-@pytest.mark.parametrize("prompt", [None, 5, [], ["a", "b"], [[1, 2]], [1, -2], [1, True],
+@pytest.mark.parametrize("prompt", [None, 5, [], ["a", 1], [[1, -2]], [1, -2], [1, True],
                                     [1, 2.0], [1, 2**64], {"text": "x"}])
 def test_completion_prompt_errors(prompt: object) -> None:
     body = {**COMPLETION, "prompt": prompt}
