@@ -229,6 +229,10 @@ class _StreamState:
             if self.up.strip_token_ids and "token_ids" in choice:
                 del choice["token_ids"]
                 changed = True
+            # Completions put the prompt's ids in each choice (chat at the top level).
+            if self.up.strip_token_ids and "prompt_token_ids" in choice:
+                del choice["prompt_token_ids"]
+                changed = True
         if self.up.strip_token_ids and "prompt_token_ids" in data:
             del data["prompt_token_ids"]
             changed = True
