@@ -31,6 +31,7 @@ from prometheus_client.core import Metric
 from router.admission import Admission
 from router.completions import handle_completion
 from router.config import GatewayConfig
+from router.endpoints import handle_by_model, handle_conversation, handle_version
 from router.event_watch import watch_event_silence
 from router.events import EventIndexer, ReplicaFeed
 from router.gateway import GATEWAY, INDEX_OP_TIMEOUT_S, REQUEST_ID, Gateway, ignore_errors
@@ -282,6 +283,12 @@ def build_app(config: GatewayConfig, *, tenants: TenantRegistry | None = None,
     app.router.add_get("/ready", handle_ready)
     app.router.add_get("/metrics", handle_metrics)
     app.router.add_get("/openapi.json", handle_openapi)
+    app.router.add_post("/v1/responses", handle_conversation)
+    app.router.add_post("/v1/messages", handle_conversation)
+    app.router.add_post("/tokenize", handle_by_model)
+    app.router.add_post("/detokenize", handle_by_model)
+    app.router.add_post("/v1/embeddings", handle_by_model)
+    app.router.add_get("/version", handle_version)
     return app
 
 

@@ -11,12 +11,12 @@ from typing import Any
 
 from aiohttp import web
 
+from router.endpoints import models_cards
 from router.gateway import (
     GATEWAY,
     INDEX_OP_TIMEOUT_S,
     REQUEST_ID,
     note_index_state,
-    served_models,
     tenant_of,
 )
 from router.index import IndexUnavailable
@@ -59,17 +59,16 @@ async def request_context(request: web.Request,
 
 
 _COUNTED_PATHS = frozenset({*ENDPOINTS, "/v1/models", "/health", "/ready", "/metrics",
-                            "/openapi.json"})
+                            "/openapi.json", "/v1/responses", "/v1/messages", "/tokenize",
+                            "/detokenize", "/version", "/v1/embeddings"})
 
 
 async def handle_models(request: web.Request) -> web.Response:
-    """GET /v1/models: the union of the models the fleet serves."""
+    """GET /v1/models: the union of the models the fleet serves, each entry as vLLM's
+    (max_model_len, root, parent) from a replica serving it."""
     gw = request.app[GATEWAY]
     tenant_of(gw, request)
-    names = sorted(served_models(gw))
-    return web.json_response({"object": "list", "data": [
-        {"id": name, "object": "model", "created": 0, "owned_by": "cacheroute"}
-        for name in names]})
+    return web.json_response({"object": "list", "data": await models_cards(gw)})
 
 
 async def handle_health(request: web.Request) -> web.Response:

@@ -79,6 +79,8 @@ _COMPLETION_REQUEST = {
                        {"type": "string"},
                        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
                        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                       {"type": "array", "minItems": 1, "items": {
+                           "type": "array", "items": {"type": "integer", "minimum": 0}}},
                    ]},
                    "echo": {"type": "boolean"}},
 }
@@ -132,6 +134,19 @@ def _generation(summary: str, schema: str) -> dict[str, Any]:
     }}
 
 
+def _passed(summary: str) -> dict[str, Any]:
+    """A POST the gateway forwards with the body as sent (bar cache_salt); it reads only
+    `model` (and, where routed cache-aware, the conversation)."""
+    return {"post": {
+        "summary": summary,
+        "security": [{"bearer": []}],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "properties": {"model": {"type": "string"}}}}}},
+        "responses": {"200": {"description": "The replica's answer, unchanged"},
+                      **_errors(400, 401, 404, 413, 429, 502, 503)},
+    }}
+
+
 def openapi_spec() -> dict[str, Any]:
     """The OpenAPI document."""
     return {
@@ -149,6 +164,15 @@ def openapi_spec() -> dict[str, Any]:
                         "data": {"type": "array", "items": {"type": "object", "properties": {
                             "id": {"type": "string"}}}}}}}}},
                     **_errors(401)}}},
+            "/v1/responses": _passed("Responses API, routed cache-aware by its messages"),
+            "/v1/messages": _passed("Anthropic Messages API, routed cache-aware by its messages"),
+            "/tokenize": _passed("vLLM's /tokenize, on the least loaded replica of the model"),
+            "/detokenize": _passed("vLLM's /detokenize, on any replica (of the model, if named)"),
+            "/v1/embeddings": _passed("Embeddings, on the least loaded replica of the model"),
+            "/version": {"get": {"summary": "vLLM's version, from any available replica",
+                                 "security": [{"bearer": []}], "responses": {
+                                     "200": {"description": "The replica's answer"},
+                                     **_errors(401, 502, 503)}}},
             "/health": {"get": {"summary": "Process alive", "responses": {
                 "200": {"description": "Alive"}}}},
             "/ready": {"get": {"summary": "Has an available replica; index and replica states",
