@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 from servers import RedisServer, free_port
 
-from replica.fleet import AsyncSimFleet
+from replica.fleet import AsyncSimFleet, is_healthy
 
 from .conftest import (
     GatewayClient,
@@ -171,7 +171,7 @@ async def gateway_counters(gw: GatewayClient) -> dict[str, float]:
     _, text = await gw.get("/metrics")
     wanted = ("cacheroute_retries_total", "cacheroute_upstream_failures_total",
               "cacheroute_ejections_total", "cacheroute_retry_budget_exhausted_total",
-              "cacheroute_index_fallbacks_total")
+              "cacheroute_index_fallbacks_total", "cacheroute_suspect_refusals_total")
     out = dict.fromkeys(wanted, 0.0)
     for line in str(text).splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
@@ -271,6 +271,84 @@ async def test_replica_killed_mid_load_loses_no_request(
         assert await labelled(gw, "cacheroute_ejections_total", replica=killed) >= 1
         assert_failures_accounted(counters, tally)
         await wait_replica_state(gw, killed, "ejected", 1.0)
+
+
+POISON = 7  # tokens() draws ids from 10 up: no ordinary prompt holds it
+
+
+async def test_a_poisoned_request_costs_at_most_one_replica(
+        start_gateway: Callable[[dict[str, Any]], Awaitable[GatewayClient]],
+        http: aiohttp.ClientSession) -> None:
+    # Three sims whose engines die on a prompt holding POISON, as vLLM's EngineCore dies on
+    # some inputs: in-flight requests get 500, /health 503, then the process exits.
+    async with AsyncSimFleet(3, block_size=16, crash_on_token=POISON) as fleet:
+        gw = await start_gateway(gateway_config(fleet.replicas, model=MODEL, port=free_port()))
+        warm = Tally()
+        for i in range(6):
+            await send(http, gw.url, request_body(i), warm)
+        warm.check()
+        assert warm.ok == 6
+
+        # Ordinary load runs throughout; only requests in flight on the dying replica may fail.
+        tally = Tally()
+        stop = asyncio.Event()
+        load = asyncio.ensure_future(closed_loop(http, gw.url, tally, workers=3, stop=stop,
+                                                 limit=10_000))
+        try:
+            await after(6, tally)
+            poison = {"model": MODEL, "prompt": [*tokens(1, 40), POISON, *tokens(2, 40)],
+                      "max_tokens": 4}
+            async with http.post(gw.url + "/v1/completions", json=poison, headers=AUTH) as resp:
+                status, error = resp.status, (await resp.json())["error"]
+            assert status == 502, error
+            assert error["type"] == "upstream_error"
+            assert "failed its health check" in error["message"]
+            assert "may be what killed it" in error["message"]
+
+            procs = [r.proc for r in fleet.replicas]
+
+            async def one_exited() -> bool:
+                return sum(p.poll() is not None for p in procs) >= 1
+
+            await wait_until(one_exited, 15.0, "the poisoned replica to exit")
+            dead = [rid(r.url) for r in fleet.replicas if r.proc.poll() is not None]
+            assert len(dead) == 1
+
+            # The client's own retries, the same prompt streamed too, are refused at the gateway.
+            for body in (poison, {**poison, "stream": True}, poison):
+                async with http.post(gw.url + "/v1/completions", json=body, headers=AUTH) as resp:
+                    status, error = resp.status, (await resp.json())["error"]
+                assert status == 422, error
+                assert f"when replica {dead[0]} died (HTTP 500, then /health" in error["message"]
+
+            await after(tally.sent + 12, tally)
+        finally:
+            stop.set()
+            await load
+        tally.check()
+        # No other replica was lost: both still answer their health checks.
+        alive = [r for r in fleet.replicas if rid(r.url) not in dead]
+        assert all(r.proc.poll() is None for r in alive)
+        assert all(await asyncio.gather(*(asyncio.to_thread(is_healthy, r.url) for r in alive)))
+        _, text = await gw.get("/metrics")
+        suspects = [ln for ln in str(text).splitlines()
+                    if ln.startswith("cacheroute_suspect_requests_total{")]
+        counters = await report(gw, "poisoned request", tally, f"; suspects {suspects}")
+        # In-flight ordinary requests on the dying replica are suspects too (502); none
+        # elsewhere failed, and every later one succeeded.
+        assert set(tally.errors) <= {"http_502"}, tally.summary()
+        assert tally.failed <= 3, tally.summary()
+        assert tally.ok >= 12
+        assert await labelled(gw, "cacheroute_suspect_requests_total", replica=dead[0],
+                              outcome="refused") == 1 + tally.failed
+        assert counters["cacheroute_suspect_refusals_total"] == 3, counters
+        # The poisoned request's own 502 is the one failure the load's tally lacks.
+        assert_failures_accounted(counters, Tally(errors=tally.errors + Counter(http_502=1)))
+        after_poison = Tally()
+        for i in range(6):
+            await send(http, gw.url, unique_body(1000 + i), after_poison)
+        after_poison.check()
+        assert after_poison.ok == 6 and dead[0] not in after_poison.replicas
 
 
 async def test_replica_killed_mid_stream_ends_its_streams_with_an_sse_error(
