@@ -117,7 +117,8 @@ async def _index_ctx(app: web.Application) -> AsyncIterator[None]:
     gw = app[GATEWAY]
     cfg = gw.config.index
     if cfg.is_redis:
-        redis = RedisIndex.from_url(cfg.backend, capacity_blocks=cfg.record_capacity_blocks)
+        redis = RedisIndex.from_url(cfg.backend, password=cfg.password, ca_file=cfg.tls_ca_file,
+                                    capacity_blocks=cfg.record_capacity_blocks)
         gw.index = redis
         try:
             # Connections and scripts ready before the first request: a cold pool makes

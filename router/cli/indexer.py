@@ -37,9 +37,12 @@ from router.index import (
     PrefixIndex,
     RedisIndex,
 )
+from router.index.connection import BadIndexURL
 from router.indexer import REKEY_SETTINGS, DnsReplicas, feeds_from_config, run_indexer
 
 log = logging.getLogger(__name__)
+
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://", "rediss+sentinel://")
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,8 @@ def parse_replica(text: str) -> ReplicaSpec:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The indexer's flags."""
-    parser.add_argument("--index", help="redis://HOST:PORT/DB (or 'memory', for a dry run); "
+    parser.add_argument("--index", help="redis://HOST:PORT/DB, rediss://, unix://, "
+                        "redis+sentinel://HOST:PORT,.../MASTER (or 'memory', for a dry run); "
                         "defaults to the config's index")
     parser.add_argument("--replica", action="append", default=[], type=parse_replica,
                         metavar="NAME=tcp://HOST:PORT[,replay=URL][,model=NAME]",
@@ -89,6 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how often to log each stream's counters (default 30)")
     parser.add_argument("--replay-timeout", type=float, default=DEFAULT_REPLAY_TIMEOUT_S,
                         metavar="SECONDS", help="deadline for one replay request")
+    parser.add_argument("--tls-ca-file", metavar="PATH",
+                        help="CA bundle that verifies a rediss:// index's certificate")
     parser.add_argument("--lease", action="store_true",
                         help="active/standby: index only while holding the Redis lease "
                         "(run two or more; see router/events/leadership.py)")
@@ -133,10 +139,14 @@ def run(args: argparse.Namespace) -> int:
         # Nobody else can read this process's memory: useful only to watch the streams.
         log.warning("--index memory: the entries stay in this process (a dry run)")
         index = MemoryIndex()
-    elif index_url.startswith(("redis://", "rediss://", "unix://")):
+    elif index_url.startswith(REDIS_SCHEMES):
+        try:
+            index = RedisIndex.from_url(index_url, password=password, ca_file=args.tls_ca_file)
+        except BadIndexURL as exc:
+            print(f"--index: {exc}", file=sys.stderr)
+            return 2
         if args.lease:
             return asyncio.run(_run_leased(args, feeds, dns, index_url, password))
-        index = RedisIndex.from_url(index_url, password=password)
     elif args.lease:
         print("--lease needs a redis:// index", file=sys.stderr)
         return 2
@@ -151,7 +161,7 @@ async def _run_leased(args: argparse.Namespace, feeds: list[ReplicaFeed], dns: l
                       index_url: str, password: str | None) -> int:
     """Index while holding the lease, stand by otherwise, until SIGTERM/SIGINT."""
     settings = LeaseSettings(f"{socket.gethostname()}:{os.getpid()}", args.lease_ttl)
-    lease_index = RedisIndex.from_url(index_url, password=password)
+    lease_index = RedisIndex.from_url(index_url, password=password, ca_file=args.tls_ca_file)
     lease = IndexerLease(lease_index.client, settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -163,7 +173,8 @@ async def _run_leased(args: argparse.Namespace, feeds: list[ReplicaFeed], dns: l
     async def lead(token: int) -> None:
         # run_indexer installs its own signal handlers while it leads, returns on them and
         # removes them: ours are back once it ends, however it ends.
-        index = RedisIndex.from_url(index_url, password=password, fence_token=token)
+        index = RedisIndex.from_url(index_url, password=password, ca_file=args.tls_ca_file,
+                                    fence_token=token)
         try:
             await run_indexer(feeds, dns, index, replay_timeout_s=args.replay_timeout,
                               stats_interval_s=args.stats_interval)

@@ -228,9 +228,11 @@ def _replicas(top: _Section, models: Mapping[str, ModelConfig]) -> tuple[Replica
 
 def _index_backend(path: str, value: Any) -> str:
     text = _str(path, value)
-    if text == "memory" or re.match(r"^(redis|rediss|unix)://\S+$", text):
+    if text == "memory" or re.match(r"^(redis|rediss|unix|redis\+sentinel|rediss\+sentinel)://\S+$",
+                                    text):
         return text
-    raise ConfigError(path, f"must be 'memory' or a redis:// URL, got {text!r}")
+    raise ConfigError(path, f"must be 'memory' or a redis:// URL (or rediss://, unix://, "
+                      f"redis+sentinel://), got {text!r}")
 
 
 def _index(s: _Section, env: Mapping[str, str]) -> IndexConfig:
@@ -250,7 +252,10 @@ def _index(s: _Section, env: Mapping[str, str]) -> IndexConfig:
         record_capacity_blocks=s.get("record_capacity_blocks", _pos_int, d.record_capacity_blocks),
         password_env=password_env,
         password=password,
+        tls_ca_file=s.get("tls_ca_file", _optional(_str), None),
     )
+    if out.tls_ca_file is not None and not out.backend.startswith("rediss"):
+        raise ConfigError(s.sub("tls_ca_file"), f"needs a rediss:// backend, got {out.backend!r}")
     s.finish()
     return out
 

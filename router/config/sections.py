@@ -108,6 +108,8 @@ class IndexConfig:
     record_capacity_blocks: int = 1_000_000
     password_env: str | None = None
     password: str | None = field(default=None, repr=False)
+    # rediss:// only: the CA bundle that verifies the Redis server's certificate.
+    tls_ca_file: str | None = None
 
     @property
     def is_redis(self) -> bool:

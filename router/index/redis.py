@@ -72,11 +72,10 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
+from router.index.connection import redis_client
 from router.index.lease import lease_keys
 from router.index.probes import ObservedBlocks, decode_observation, encode_observation
 from router.index.protocol import (
@@ -163,21 +162,13 @@ class RedisIndex:
         socket_timeout_s: float = 1.0,
         connect_timeout_s: float = 0.5,
         password: str | None = None,
+        ca_file: str | None = None,
         **kwargs: Any,
     ) -> RedisIndex:
-        """A RedisIndex on its own connection pool, with socket deadlines set."""
-        # Only pass a password when given, so one inside the URL still counts.
-        auth: dict[str, Any] = {} if password is None else {"password": password}
-        client = aioredis.Redis.from_url(
-            url,
-            **auth,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=connect_timeout_s,
-            # One immediate retry: a pooled connection broken by a Redis restart fails
-            # once and the retry reconnects. More retries would only outlast deadlines.
-            retry=Retry(NoBackoff(), 1),
-            decode_responses=False,
-        )
+        """A RedisIndex on its own client for `url` (redis, rediss, unix, redis+sentinel)."""
+        client = redis_client(url, password=password, ca_file=ca_file,
+                              socket_timeout_s=socket_timeout_s,
+                              connect_timeout_s=connect_timeout_s)
         return cls(client, **kwargs)
 
     @property
