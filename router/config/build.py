@@ -292,6 +292,7 @@ def _policy(s: _Section) -> PolicyConfig:
         hot_cost_s=s.get("hot_cost_s", _nonneg_number, d.hot_cost_s),
         tolerance=s.get("tolerance", _nonneg_number, d.tolerance),
         pending_ttl_s=s.get("pending_ttl_s", _nonneg_number, d.pending_ttl_s),
+        work_weight=s.get("work_weight", _nonneg_number, d.work_weight),
     )
     if out.kv_threshold >= 1.0:
         raise ConfigError(s.sub("kv_threshold"), f"must be below 1.0, got {out.kv_threshold!r}")

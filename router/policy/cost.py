@@ -29,6 +29,17 @@ shares every step of the new prefill and adds its one token of compute to each.
 `bias` is the replica's learned measured/predicted TTFT ratio, so a profile that is off
 by a constant factor is corrected from the replica's own answers.
 
+What cache_aware minimises is that TTFT plus the delay its prefill adds for others:
+
+    cost      = ttft + work_weight * queued_behind * bias * (prefill - base_s)
+    queued_behind = mean requests waiting for their prefill per replica (fleet)
+
+Every second of prefill a replica spends on this request delays each request that queues
+behind it there; when the fleet has queues, about as many as wait now. An idle fleet
+(queued_behind 0) scores by this request's own TTFT alone; a loaded one weighs a cache
+hit (little prefill) more, because recomputing a cold prefix there costs everyone
+queued after it, which a per-request TTFT minimum ignores.
+
 The hot term is the guard against hot-spotting. A popular prefix keeps landing on the one
 replica holding it until that replica's queue costs more than a whole cold prefill; well
 before that, copying the prefix to a second replica is cheap (one cold prefill) and halves
@@ -57,9 +68,19 @@ class TtftEstimate:
     # less the per-step base (requests queued together share steps, and each step's base).
     queued_work_s: float = 0.0
 
+    # What this request's prefill costs the requests that will queue behind it there
+    # (scored, not predicted: it is not part of this request's own TTFT).
+    delay_to_others_s: float = 0.0
+
     @property
     def total_s(self) -> float:
+        """The predicted time to first token."""
         return self.queue_s + self.hot_s + self.prefill_s
+
+    @property
+    def cost_s(self) -> float:
+        """What cache_aware minimises: its own TTFT plus the delay it adds for others."""
+        return self.total_s + self.delay_to_others_s
 
 
 def cached_tokens(request: RoutingRequest, replica: ReplicaState) -> int:
@@ -77,8 +98,16 @@ def mean_load(replicas: Sequence[ReplicaState]) -> float:
     return sum(r.load for r in replicas) / len(replicas) if replicas else 0.0
 
 
+def mean_queued(replicas: Sequence[ReplicaState]) -> float:
+    """Requests waiting for their prefill per replica, over the fleet (ours and others')."""
+    if not replicas:
+        return 0.0
+    return sum(r.pending + r.external_waiting for r in replicas) / len(replicas)
+
+
 def estimate_ttft(
-    request: RoutingRequest, replica: ReplicaState, fleet_mean_load: float, config: PolicyConfig
+    request: RoutingRequest, replica: ReplicaState, fleet_mean_load: float, config: PolicyConfig,
+    queued_behind: float = 0.0,
 ) -> TtftEstimate:
     """Predicted TTFT of `request` on `replica` (see the module docstring for the formula)."""
     cached = cached_tokens(request, replica)
@@ -112,4 +141,5 @@ def estimate_ttft(
     )
     hot_line = config.hot_ratio * fleet_mean_load + config.hot_slack
     hot_s = config.hot_cost_s * max(0.0, load - hot_line)
-    return TtftEstimate(cached, queue_s, hot_s, prefill_s, queued_work_s)
+    delay_s = config.work_weight * queued_behind * bias * queued_work_s
+    return TtftEstimate(cached, queue_s, hot_s, prefill_s, queued_work_s, delay_s)

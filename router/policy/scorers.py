@@ -35,12 +35,13 @@ class Scorer(Protocol):
 
 
 class TtftScorer:
-    """best predicted TTFT / this replica's: 1 for the best, 1/(1+x) for x slower."""
+    """best cost / this replica's (predicted TTFT plus the delay its prefill adds for the
+    requests queued behind it): 1 for the best, 1/(1+x) for x dearer."""
 
     name = "ttft"
 
     def score(self, candidates: Candidates) -> dict[str, float]:
-        costs = {rid: e.total_s for rid, e in candidates.estimates.items()}
+        costs = {rid: e.cost_s for rid, e in candidates.estimates.items()}
         best = min(costs.values())
         # A ratio rather than a min-max range: two replicas 1 ms apart on a 1 s prediction
         # are near-equal, and the picker's tolerance reads as "within x% of the best".

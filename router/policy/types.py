@@ -52,7 +52,9 @@ class PolicyConfig:
     instead of always taking the single best (several gateways deciding at once would
     otherwise herd onto one replica). `pending_ttl_s` is how long a routed chain counts as
     cached on its replica before that replica's KV events confirm it (router/pending.py;
-    0 turns it off). `weights` overrides the policy's scorer weights by
+    0 turns it off). `work_weight` scales what a request's own prefill costs the requests
+    queued behind it (see router/policy/cost.py; 0 scores by its own TTFT alone).
+    `weights` overrides the policy's scorer weights by
     scorer name.
     """
 
@@ -71,6 +73,7 @@ class PolicyConfig:
     hot_cost_s: float = 0.05
     tolerance: float = 0.1
     pending_ttl_s: float = 10.0
+    work_weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ class ReplicaState:
     # beyond ours (from the last scrape), the mean predicted prefill of requests sent
     # there, and the learned measured/predicted TTFT ratio.
     queued_prefill_s: float = 0.0
+    pending: int = 0  # this gateway's requests there without a first byte yet
     decoding: int = 0
     external_waiting: int = 0
     external_running: int = 0
