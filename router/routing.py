@@ -60,11 +60,21 @@ class KnownTokens:
 @dataclass
 class _Chain:
     """One remembered chain: its vLLM block keys, their event forms, and the
-    fingerprints (one per block prefix) through which the memo leads to it."""
+    fingerprints (one per block prefix) through which the memo leads to it. Plain bytes
+    and ints: no per-block object for the garbage collector to walk."""
 
     digests: list[bytes]
     event_keys: list[int]
     prints: list[bytes] = field(default_factory=list)
+
+
+def _event_keys(digests: list[bytes]) -> list[int]:
+    """router.hashing.event_key of each digest (its last 8 bytes, big-endian), in C."""
+    width = len(digests[0]) if digests else 0
+    if not width or width % 8 or any(len(d) != width for d in digests):
+        return [event_key(d) for d in digests]
+    words = width // 8
+    return list(struct.unpack(f">{words * len(digests)}Q", b"".join(digests))[words - 1::words])
 
 
 class ChainCache:
@@ -88,7 +98,7 @@ class ChainCache:
 
     def __init__(self, capacity_blocks: int = 500_000) -> None:
         self.capacity_blocks = capacity_blocks
-        self._memo: dict[bytes, tuple[_Chain, int]] = {}  # prefix fingerprint -> (chain, blocks)
+        self._memo: dict[bytes, _Chain] = {}  # prefix fingerprint -> the chain holding it
         self._chains: OrderedDict[int, _Chain] = OrderedDict()  # id -> chain, oldest first
         self._lock = threading.Lock()
         self.blocks = 0  # fingerprints remembered
@@ -117,11 +127,11 @@ class ChainCache:
         with self._lock:
             while reused < hi:
                 mid = (reused + hi + 1) // 2
-                entry = self._memo.get(fingerprint(mid))
-                if entry is None:
+                owner = self._memo.get(fingerprint(mid))
+                if owner is None:
                     hi = mid - 1
                 else:
-                    found, reused = entry[0], mid
+                    found, reused = owner, mid
             if found is not None and reused == n:
                 self._chains.move_to_end(id(found))
                 self.reused_blocks += n
@@ -132,7 +142,7 @@ class ChainCache:
         chain.tokens = list(tokens[: reused * size])
         chain.keys = known_digests
         added = chain.extend(tokens[reused * size: n * size])
-        added_events = [event_key(digest) for digest in added]
+        added_events = _event_keys(added)
         fp = xxhash.xxh3_128(head)
         fp.update(data[: reused * step])
         prints = []
@@ -148,8 +158,7 @@ class ChainCache:
             else:
                 owner = _Chain(digests=chain.keys, event_keys=known_events + added_events)
                 self._chains[id(owner)] = owner
-            for blocks, p in enumerate(prints, start=reused + 1):
-                self._memo[p] = (owner, blocks)
+            self._memo.update(dict.fromkeys(prints, owner))
             owner.prints.extend(prints)
             self.blocks += len(prints)
             self._chains.move_to_end(id(owner))
@@ -162,8 +171,7 @@ class ChainCache:
 
     def _evict(self, chain: _Chain) -> None:
         for p in chain.prints:
-            entry = self._memo.get(p)
-            if entry is not None and entry[0] is chain:
+            if self._memo.get(p) is chain:
                 del self._memo[p]
         self.blocks -= len(chain.prints)
 

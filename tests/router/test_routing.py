@@ -7,9 +7,12 @@ import dataclasses
 import gc
 import json
 import os
+import random
 import signal
 import time
 from typing import Any
+
+import pytest
 
 from router.config import LimitsConfig, TenantsConfig
 from router.hashing import HashConfig, chain_hashes, event_key
@@ -18,7 +21,13 @@ from router.policy.pipeline import build_policy
 from router.policy.types import PolicyConfig
 from router.replicas import Replica, ReplicaSource
 from router.request import ParsedRequest, parse_request, upstream_payload
-from router.routing import ChainCache, RoutingPipeline, predicted_cached_tokens, prepare_prompt
+from router.routing import (
+    ChainCache,
+    RoutingPipeline,
+    _event_keys,
+    predicted_cached_tokens,
+    prepare_prompt,
+)
 from router.tenants import TenantRegistry
 
 CONFIG = HashConfig(block_size=16)
@@ -228,3 +237,11 @@ async def test_index_past_its_deadline_routes_on_load_alone(redis_server: Any) -
     await asyncio.sleep(0)
     gc.collect()
     assert not unhandled, [ctx.get("message") for ctx in unhandled]
+
+
+@pytest.mark.parametrize("width", [32, 16, 8, 12])
+def test_event_keys_in_c_match_hashing_event_key(width: int) -> None:
+    rng = random.Random(width)
+    digests = [rng.randbytes(width) for _ in range(50)]
+    assert _event_keys(digests) == [event_key(d) for d in digests]
+    assert _event_keys([]) == []
