@@ -6,6 +6,7 @@ load is tests/e2e/test_redis_failover.py.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import pytest
@@ -61,7 +62,8 @@ def test_config_takes_sentinel_urls_and_a_ca_file_only_with_tls() -> None:
 
 
 async def test_a_password_protected_redis_needs_the_password(topology: RedisTopology) -> None:
-    port = topology.server("auth", password="s3cret")
+    # Starting a process waits for its port: off the event loop.
+    port = await asyncio.to_thread(topology.server, "auth", password="s3cret")
     url = f"redis://127.0.0.1:{port}/0"
     assert await works(RedisIndex.from_url(url, password="s3cret"))
     for password in (None, "wrong"):
@@ -71,7 +73,7 @@ async def test_a_password_protected_redis_needs_the_password(topology: RedisTopo
 
 
 async def test_tls_with_the_servers_ca_and_refused_without(topology: RedisTopology) -> None:
-    port, ca = topology.tls_server("tls")
+    port, ca = await asyncio.to_thread(topology.tls_server, "tls")
     url = f"rediss://127.0.0.1:{port}/0"
     assert await works(RedisIndex.from_url(url, ca_file=str(ca)))
     with pytest.raises(IndexUnavailable, match="certificate"):
@@ -79,9 +81,9 @@ async def test_tls_with_the_servers_ca_and_refused_without(topology: RedisTopolo
 
 
 async def test_sentinel_finds_the_primary(topology: RedisTopology) -> None:
-    primary = topology.server("primary", password="pw")
-    topology.server("replica", password="pw", replica_of=primary)
-    sentinel = topology.sentinel("sentinel", primary, password="pw")
+    primary = await asyncio.to_thread(topology.server, "primary", password="pw")
+    await asyncio.to_thread(topology.server, "replica", password="pw", replica_of=primary)
+    sentinel = await asyncio.to_thread(topology.sentinel, "sentinel", primary, password="pw")
     url = f"redis+sentinel://127.0.0.1:{sentinel}/primary"
     assert await works(RedisIndex.from_url(url, password="pw"))
     with pytest.raises(IndexUnavailable, match=r"No master found|not found"):
