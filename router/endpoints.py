@@ -283,9 +283,9 @@ async def models_cards(gw: Gateway) -> list[dict[str, Any]]:
         cards = data.get("data") if isinstance(data, dict) else None
         return [c for c in cards or () if isinstance(c, dict)]
 
-    askers = {name: _least_loaded(pool) for name in names
+    askers = {(r := _least_loaded(pool)).replica_id: r for name in names
               if (pool := gw.fleet.available(name))}
-    replies = await asyncio.gather(*(ask(r) for r in set(askers.values())))
+    replies = await asyncio.gather(*(ask(r) for r in askers.values()))
     cards: dict[str, dict[str, Any]] = {}
     for reply in replies:
         for card in reply:
