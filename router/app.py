@@ -28,6 +28,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.core import Metric
 
+from router.admin import build_admin_app
 from router.admission import Admission
 from router.completions import handle_completion
 from router.config import GatewayConfig
@@ -48,6 +49,7 @@ from router.metrics import GatewayMetrics, ReplicaGauges, StreamGauges, fleet_fa
 from router.pending import PendingChains
 from router.policy.pipeline import build_policy
 from router.proxy import Forwarder
+from router.read_deadline import ReadDeadlineSite
 from router.replicas import Fleet, Replica, ReplicaSource, verify_keys
 from router.routing import ChainCache, RoutingPipeline
 from router.tenants import TenantRegistry
@@ -281,8 +283,9 @@ def build_app(config: GatewayConfig, *, tenants: TenantRegistry | None = None,
     app.router.add_post("/v1/completions", handle_completion)
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/health", handle_health)
-    app.router.add_get("/ready", handle_ready)
-    app.router.add_get("/metrics", handle_metrics)
+    if config.listen.admin_port is None:  # else only on the admin listener (router/admin.py)
+        app.router.add_get("/ready", handle_ready)
+        app.router.add_get("/metrics", handle_metrics)
     app.router.add_get("/openapi.json", handle_openapi)
     app.router.add_post("/v1/responses", handle_conversation)
     app.router.add_post("/v1/messages", handle_conversation)
@@ -297,20 +300,32 @@ def build_app(config: GatewayConfig, *, tenants: TenantRegistry | None = None,
 async def running_gateway(app: web.Application, host: str, port: int, *,
                           shutdown_timeout: float = 10.0,
                           reuse_port: bool = False) -> AsyncIterator[web.AppRunner]:
-    """Serve `app` on host:port until the block exits (handler cancellation on).
+    """Serve `app` on host:port until the block exits (handler cancellation on), and
+    its admin listener on listen.admin_port when that is set (router/admin.py).
 
     With `reuse_port`, other processes may listen on the same port (SO_REUSEPORT): the
     kernel spreads new connections over them.
     """
+    listen = app[GATEWAY].config.listen
     # HTTP framing limits, explicit because they are a security property: a request line
     # or header over 8 KiB, or more than 128 headers, is refused with a 400 before any
-    # handler runs (as is a request with both Content-Length and Transfer-Encoding).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=shutdown_timeout, max_line_size=MAX_LINE_BYTES,
-                           max_field_size=MAX_LINE_BYTES, max_headers=MAX_HEADERS)
-    await runner.setup()
+    # handler runs (as is a request with both Content-Length and Transfer-Encoding); a
+    # request not fully sent within listen.request_read_timeout_s is cut off.
+    runners = [web.AppRunner(app, handler_cancellation=True, access_log=None,
+                             shutdown_timeout=shutdown_timeout, max_line_size=MAX_LINE_BYTES,
+                             max_field_size=MAX_LINE_BYTES, max_headers=MAX_HEADERS)]
+    binds = [(host, port)]
+    if listen.admin_port is not None:
+        runners.append(web.AppRunner(build_admin_app(app[GATEWAY]), access_log=None,
+                                     max_line_size=MAX_LINE_BYTES,
+                                     max_field_size=MAX_LINE_BYTES, max_headers=MAX_HEADERS))
+        binds.append((listen.admin_host or host, listen.admin_port))
     try:
-        await web.TCPSite(runner, host, port, reuse_port=reuse_port).start()
-        yield runner
+        for runner, (bind_host, bind_port) in zip(runners, binds, strict=True):
+            await runner.setup()
+            await ReadDeadlineSite(runner, bind_host, bind_port, reuse_port=reuse_port,
+                                   read_timeout_s=listen.request_read_timeout_s).start()
+        yield runners[0]
     finally:
-        await runner.cleanup()
+        for runner in reversed(runners):
+            await runner.cleanup()

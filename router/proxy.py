@@ -565,7 +565,7 @@ def _error_event_status(event: bytes) -> int | None:
         return None
     try:
         err = json.loads(data).get("error")
-        code = int(err.get("code")) if isinstance(err, dict) else 0
+        code = int(err.get("code") or 0) if isinstance(err, dict) else 0
     except (ValueError, TypeError, AttributeError):
         return None
     return code if code >= 500 else None

@@ -52,8 +52,16 @@ def _listen(s: _Section) -> ListenConfig:
     port = s.get("port", _pos_int, d.port)
     if port > 65535:
         raise ConfigError(s.sub("port"), f"must be a TCP port (1-65535), got {port}")
+    admin_port = s.get("admin_port", _optional(_pos_int), None)
+    if admin_port is not None and (admin_port > 65535 or admin_port == port):
+        raise ConfigError(s.sub("admin_port"), "must be a TCP port (1-65535) other than "
+                          f"listen.port, got {admin_port}")
     out = ListenConfig(host=s.get("host", _str, d.host), port=port,
-                       workers=s.get("workers", _pos_int, d.workers))
+                       workers=s.get("workers", _pos_int, d.workers),
+                       request_read_timeout_s=s.get("request_read_timeout_s", _pos_number,
+                                                    d.request_read_timeout_s),
+                       admin_port=admin_port,
+                       admin_host=s.get("admin_host", _optional(_str), None))
     s.finish()
     return out
 

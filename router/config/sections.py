@@ -41,6 +41,13 @@ class ListenConfig:
     # Worker processes sharing the port (SO_REUSEPORT); more than 1 needs a shared
     # (Redis) index, since each worker would otherwise keep an index of its own.
     workers: int = 1
+    # A connection must send each request's headers and body within this (slowloris and
+    # half-open clients otherwise hold a socket and a task each; router/read_deadline.py).
+    request_read_timeout_s: float = 30.0
+    # When set, /ready and /metrics move off the API port to this one (router/admin.py),
+    # bound on admin_host (default: host); see docs/SECURITY.md.
+    admin_port: int | None = None
+    admin_host: str | None = None
 
 
 @dataclass(frozen=True)
