@@ -114,6 +114,13 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
         # The admitted replica goes first; the rest keep the policy's order for failover.
         candidates = sorted(route.candidates, key=lambda r: r.replica_id != slot.replica_id)
         chosen = candidates[0]
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("routed to %s by %s: predicted ttft %.1f ms, cached %d tokens; "
+                      "costs %s; relaxed filters %s", chosen.replica_id, decision.policy,
+                      1000 * decision.costs.get(chosen.replica_id, 0.0),
+                      decision.predicted_cached.get(chosen.replica_id, 0),
+                      {rid: round(c * 1000, 1) for rid, c in decision.costs.items()},
+                      list(decision.relaxed))
         gw.metrics.record_routed(chosen.replica_id, decision.policy, route.prompt.num_tokens,
                                  route.predicted_for(chosen.replica_id), route.decision_seconds)
         return await _forward(gw, request, route, candidates, arrived)
@@ -162,6 +169,9 @@ async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: 
         if expose:
             out["x-cacheroute-replica"] = replica.replica_id
             out["x-cacheroute-predicted-cached-tokens"] = str(route.predicted_for(replica.replica_id))
+            if replica.replica_id in route.decision.costs:  # cache_aware's TTFT prediction
+                out["x-cacheroute-predicted-ttft-ms"] = (
+                    f"{1000 * route.decision.costs[replica.replica_id]:.1f}")
         return out
 
     sent_at = time.time()  # the KV-event streams' clock

@@ -328,7 +328,10 @@ class Route:
     lookup: LookupResult
     decision_seconds: float
     cache_salt: str | None
-    predicted: dict[str, int] = field(default_factory=dict)  # replica id -> cached tokens
+    # replica id -> cached tokens the INDEX predicts: what verification and the prediction
+    # metrics compare with the replica's report (decision.predicted_cached also counts
+    # pending chains, a guess that must not doubt a replica's keys).
+    predicted: dict[str, int] = field(default_factory=dict)
     # The chain entered as pending on the chosen replica (router/pending.py), to drop if
     # the request does not end up served there.
     pending_handle: int | None = None

@@ -127,6 +127,8 @@ async def test_predicted_cached_tokens_equal_reported_with_kv_events(start_gatew
             reply = await gw.post("/v1/completions", completion(prompt))
             assert reply.status == 200, reply.body
             assert reply.predicted == reply.cached, (len(prompt), reply.predicted, reply.cached)
+            # cache_aware's TTFT prediction for the replica that served it, in ms.
+            assert float(reply.headers["x-cacheroute-predicted-ttft-ms"]) > 0
             await settle(gw, reply, prompt)
         assert sum(r.cached for r in gw.replies) > 0
         _, text = await gw.get("/metrics")
