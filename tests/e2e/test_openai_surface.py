@@ -182,3 +182,36 @@ async def test_prompt_logprobs_get_no_cache_credit(
     assert skipped.status == 200, skipped.body
     # vLLM reads no cache for prompt logprobs: nothing predicted, nothing reported.
     assert (skipped.predicted, skipped.cached) == (0, 0)
+
+
+async def test_messages_and_responses_route_to_the_replica_holding_their_conversation(
+        start_gateway: Any, tiny_model_dir: Path, http: aiohttp.ClientSession) -> None:
+    async with AsyncSimFleet(2, block_size=16, num_blocks=4000, model_dir=tiny_model_dir,
+                             served_model_name=MODEL) as fleet:
+        gw = await start_gateway(gateway_config(fleet.replicas, model=MODEL, port=free_port(),
+                                                model_dir=tiny_model_dir))
+        system, question = "You are a meticulous reviewer. " * 25, "Review this diff. " * 10
+        chat = await gw.post("/v1/chat/completions", {
+            "model": MODEL, "max_tokens": 2, "return_token_ids": True,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": question}]})
+        assert chat.status == 200, chat.body
+        prompt = chat.body["prompt_token_ids"]
+        assert gw.app_gateway is not None and gw.app_gateway.index is not None
+        await wait_indexed(gw.app_gateway.index, MODEL, chat.replica, prompt[:-1],
+                           tenant_salt("alpha"))
+        full = (len(prompt) - 1) // 16 * 16  # the blocks a replay of this prompt hits
+        anthropic = {"model": MODEL, "max_tokens": 2, "system": system,
+                     "messages": [{"role": "user", "content": question}]}
+        responses = {"model": MODEL, "instructions": system, "input": question}
+        for path, body in (("/v1/messages", anthropic), ("/v1/responses", responses)):
+            async with http.post(gw.url + path, json=body,
+                                 headers={"Authorization": "Bearer sk-alpha"}) as r:
+                routed = (r.headers["x-cacheroute-replica"],
+                          int(r.headers["x-cacheroute-predicted-cached-tokens"]))
+                through = (r.status, await r.text())
+            # Routed to the replica holding the conversation, credited with all of it;
+            # the sim serves neither API, and its own answer reaches the client.
+            assert routed == (chat.replica, full), path
+            async with http.post(fleet.replicas[0].url + path, json=body) as r:
+                assert through == (r.status, await r.text()) and r.status == 404
