@@ -18,6 +18,12 @@ Replicas are simulated (`python -m replica sim`, the default) or real vLLM
 back by K, so figures are in simulated seconds; the client's and the routers' own
 overhead is multiplied too, which the report says.
 
+`--gateways N` (issue #16) runs every router N times over the same fleet, requests
+spread over the N instances round-robin by plan index (a conversation's turns land on
+different instances): our gateways as N processes sharing one Redis index (fed by one
+indexer), vllm-router as N independent instances, SMG as N instances joined by its mesh
+(--enable-mesh, cache trees gossiped). Run it once per N and compare the reports.
+
 `--policy-set KEY=VALUE` and `--index-set KEY=VALUE` change one key of our gateways'
 `policy:` or `index:` config for a control run; the report names them.
 """
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import shutil
 import sys
@@ -44,12 +51,12 @@ from loadgen.gateway_under_test import (
     GATEWAY_PROFILES,
     GatewayProfile,
     choose_profile,
-    gateway,
+    gateways,
     overrides_note,
 )
 from loadgen.harness import MODEL_NAME, HarnessError
 from loadgen.oracle import OracleRequest, bounds
-from loadgen.peers import PEERS, SMG, VLLM_ROUTER, peer_router, skip_reason, split_policy
+from loadgen.peers import PEERS, SMG, VLLM_ROUTER, peer_routers, skip_reason, split_policy
 from loadgen.report import PolicyRun, ReportFiles, write_report
 from loadgen.target_fleet import (
     DEFAULT_MODEL_DIR,
@@ -96,6 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(comma-separated: cache_aware, prefix_hash, least_load, "
                              "power_of_two, round_robin, ...; 'none' to skip; auto: "
                              f"{','.join(SMG.default_policies)})")
+    parser.add_argument("--gateways", type=int, default=1, metavar="N",
+                        help="router instances per policy, requests spread round-robin: ours "
+                             "share one Redis index, vllm-router's are independent, SMG's "
+                             "join its mesh (issue #16)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds: every policy runs once per round, interleaved; the "
                              "report gives medians and min-max over rounds")
@@ -239,28 +250,57 @@ async def warm_up(url: str, args: argparse.Namespace) -> None:
             await asyncio.gather(*(one() for _ in range(min(batch, n - start))))
 
 
-async def _drive(url: str, args: argparse.Namespace,
-                 on_record: Callable[[RequestRecord], None]) -> RunResult:
+async def _drive(urls: Sequence[str], args: argparse.Namespace,
+                 on_record: Callable[[RequestRecord], None]) -> tuple[RunResult, list[int]]:
+    """The run's result and how many requests each router instance was sent."""
     config = DriverConfig(
-        base_url=url, model=MODEL_NAME, api=args.api, mode=args.mode,
+        base_url=urls[0], model=MODEL_NAME, api=args.api, mode=args.mode,
         concurrency=args.concurrency,
         rate=None if args.rate is None else args.rate * args.time_scale,
         speedup=args.speedup * args.time_scale, deadline_s=args.deadline_s,
         request_timeout_s=min(args.deadline_s, 600.0), seed=args.seed)
-    return await Driver(config, on_record=on_record).run(build_workload(args))
+    driver = SpreadDriver(config, urls, on_record=on_record)
+    return await driver.run(build_workload(args)), driver.sent_to
+
+
+class SpreadDriver(Driver):
+    """A Driver sending request i to router i mod N (--gateways N), round-robin."""
+
+    def __init__(self, config: DriverConfig, urls: Sequence[str],
+                 on_record: Callable[[RequestRecord], None] | None = None) -> None:
+        super().__init__(config, on_record=on_record)
+        self._urls = list(urls)
+        self.sent_to = [0] * len(self._urls)
+
+    async def _stream(self, session: aiohttp.ClientSession, req: Any,
+                      rec: RequestRecord) -> None:
+        # Driver._stream reads config.base_url before its first await, so setting it
+        # here, on the one event loop, gives this request its own router.
+        i = rec.index % len(self._urls)
+        self.config = dataclasses.replace(self.config, base_url=self._urls[i])
+        self.sent_to[i] += 1
+        await super()._stream(session, req, rec)
 
 
 @contextlib.contextmanager
 def router(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfile,
-           args: argparse.Namespace, log_dir: Path, tag: str) -> Iterator[tuple[str, str]]:
-    """The router a policy names, started; yields its URL and the report's note."""
+           args: argparse.Namespace, log_dir: Path, tag: str
+           ) -> Iterator[tuple[list[str], str]]:
+    """The routers a policy names (--gateways of them), started; their URLs and a note."""
     peer, name = split_policy(policy)
+    count = getattr(args, "gateways", 1)
     if peer is not None:
-        with peer_router(peer, name, fleet, Path(args.model_dir), log_dir, tag) as url:
-            yield url, peer.label
+        with peer_routers(peer, name, fleet, Path(args.model_dir), log_dir, tag,
+                          count) as urls:
+            yield urls, peer.label + (f"; {count} instances, "
+                                      + ("joined by its mesh" if peer is SMG
+                                         else "independent") if count > 1 else "")
     else:
-        with gateway(policy, fleet, index, profile, args, log_dir, tag) as url:
-            yield url, overrides_note(args)
+        with gateways(policy, fleet, index, profile, args, log_dir, tag, count) as urls:
+            note = overrides_note(args)
+            if count > 1:
+                note = "; ".join(filter(None, [note, f"{count} gateways sharing the index"]))
+            yield urls, note
 
 
 def round_order(policies: Sequence[str], round_index: int) -> list[str]:
@@ -281,6 +321,9 @@ def _meta(args: argparse.Namespace, use_redis: bool, profile: GatewayProfile,
         "replicas": f"{args.replicas} x {args.replica_kind}, block size {args.block_size}, "
                     f"{args.kv_tokens} KV tokens each, profile {args.prefill_profile}",
         "index": "redis (private redis-server)" if use_redis else "memory",
+        "routers": (f"{getattr(args, 'gateways', 1)} instances per policy, requests "
+                    "round-robin over them" if getattr(args, "gateways", 1) > 1
+                    else "one instance per policy"),
         "gateway profile": profile.describe(),
         "rounds": f"{args.repeats} (policies interleaved, rotated each round; caches and "
                   "index emptied before every run)",
@@ -306,6 +349,8 @@ def run_comparison(args: argparse.Namespace, console: Any = None) -> Comparison:
     console = console or Console(stderr=True)
     if args.repeats < 1:
         raise HarnessError(f"--repeats must be at least 1, got {args.repeats}")
+    if getattr(args, "gateways", 1) < 1:
+        raise HarnessError(f"--gateways must be at least 1, got {args.gateways}")
     policies, skipped = runnable(parse_policies(args), args.api)
     if getattr(args, "smg", "none") == "auto" and args.api != "chat":
         console.print(f"not comparing smg: {skip_reason(SMG, args.api)}")
@@ -369,14 +414,18 @@ def _run_policy(policy: str, round_index: int, fleet: TargetFleet, index: str,
         flush_index(index)
     try:
         with router(policy, fleet, index, profile, args, log_dir, f"-r{round_index}") as (
-                url, note):
-            asyncio.run(warm_up(url, args))
+                urls, note):
+            for url in urls:
+                asyncio.run(warm_up(url, args))
             before = fleet.request_counts()
 
             def advance(_record: RequestRecord) -> None:
                 progress.advance(task)
 
-            result = asyncio.run(_drive(url, args, advance))
+            result, sent_to = asyncio.run(_drive(urls, args, advance))
+            if len(urls) > 1:
+                note = "; ".join(filter(None, [
+                    note, "requests per instance " + "/".join(map(str, sent_to))]))
     except HarnessError as exc:
         if split_policy(policy)[0] is not None:
             progress.remove_task(task)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import subprocess
 import sys
@@ -167,13 +168,32 @@ def _gateway_ready(url: str) -> bool:
 def gateway(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfile,
             args: argparse.Namespace, log_dir: Path, tag: str = "") -> Iterator[str]:
     """One gateway process (and its indexer on a Redis index) for one policy; yields its URL."""
-    port = free_port()
-    config = gateway_config(policy, fleet, port, index, Path(args.model_dir), args.seed,
-                            profile.prefill, config_overrides(args),
-                            config_overrides(args, "index_set"))
+    with gateways(policy, fleet, index, profile, args, log_dir, tag) as urls:
+        yield urls[0]
+
+
+@contextlib.contextmanager
+def gateways(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfile,
+             args: argparse.Namespace, log_dir: Path, tag: str = "", count: int = 1
+             ) -> Iterator[list[str]]:
+    """`count` gateway processes for one policy, sharing one index; yields their URLs.
+
+    On a Redis index one indexer feeds it for all of them (issue #16: several gateways
+    share one index); an in-memory index cannot be shared, so count > 1 needs Redis.
+    """
+    if count > 1 and not index.startswith("redis://"):
+        raise HarnessError(f"--gateways {count} needs a Redis index to share (--index redis)")
+    configs = []
+    for i in range(count):
+        config = gateway_config(policy, fleet, free_port(), index, Path(args.model_dir),
+                                args.seed, profile.prefill, config_overrides(args),
+                                config_overrides(args, "index_set"))
+        name = f"{policy}{tag}" + (f"-g{i}" if count > 1 else "")
+        path = log_dir / f"gateway-{name}.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        configs.append((name, path, int(config["listen"]["port"])))
+    path = configs[0][1]
     name = f"{policy}{tag}"
-    path = log_dir / f"gateway-{name}.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
     procs: list[LoggedProcess] = []
     try:
         if index.startswith("redis://"):
@@ -185,14 +205,17 @@ def gateway(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfile
             procs.append(indexer)
             indexer.start(log_dir)
             indexer.wait_until(lambda: "indexing " in indexer.log_tail(20_000))
-        proc = LoggedProcess(f"gateway-{name}",
-                             [sys.executable, "-m", "router", "serve", "--config", str(path),
-                              "--shutdown-timeout", "2"])
-        procs.append(proc)
-        proc.start(log_dir)
-        url = f"http://127.0.0.1:{port}"
-        proc.wait_until(lambda: _gateway_ready(url))
-        yield url
+        urls = []
+        for gw_name, gw_path, port in configs:
+            proc = LoggedProcess(f"gateway-{gw_name}",
+                                 [sys.executable, "-m", "router", "serve", "--config",
+                                  str(gw_path), "--shutdown-timeout", "2"])
+            procs.append(proc)
+            proc.start(log_dir)
+            urls.append(f"http://127.0.0.1:{port}")
+        for proc, url in zip(procs[-count:], urls, strict=True):
+            proc.wait_until(functools.partial(_gateway_ready, url))
+        yield urls
     finally:
         for p in reversed(procs):
             p.stop()

@@ -20,7 +20,7 @@ import shutil
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,16 +77,58 @@ def skip_reason(peer: Peer, api: str) -> str | None:
 def peer_router(peer: Peer, policy: str, fleet: TargetFleet, model_dir: Path,
                 log_dir: Path, tag: str = "") -> Iterator[str]:
     """One peer router over the fleet, started and healthy; yields its base URL."""
+    with peer_routers(peer, policy, fleet, model_dir, log_dir, tag) as urls:
+        yield urls[0]
+
+
+@contextlib.contextmanager
+def peer_routers(peer: Peer, policy: str, fleet: TargetFleet, model_dir: Path,
+                 log_dir: Path, tag: str = "", count: int = 1) -> Iterator[list[str]]:
+    """`count` instances of a peer router over the fleet, started and healthy; their URLs.
+
+    vllm-router instances are independent (each its own tree and load view). SMG
+    instances are joined by SMG's own mesh (--enable-mesh, every other instance as a
+    --mesh-peer-urls peer), which gossips their cache trees: the peer that shares
+    state its own way.
+    """
     binary = peer.executable()
     if binary is None:
         raise HarnessError(f"{peer.name} is not installed")
-    port = free_port()
+    mesh = [free_port() for _ in range(count)] if peer is SMG and count > 1 else []
+    procs: list[LoggedProcess] = []
+    urls_ready: list[tuple[LoggedProcess, Callable[[], bool], str]] = []
+    try:
+        for i in range(count):
+            port = free_port()
+            cmd, ready = _peer_command(peer, binary, policy, fleet, model_dir, port, i, mesh)
+            proc = LoggedProcess(f"{peer.name}-{policy}{tag}" + (f"-g{i}" if count > 1 else ""),
+                                 cmd)
+            procs.append(proc)
+            proc.start(log_dir)
+            urls_ready.append((proc, ready, f"http://127.0.0.1:{port}"))
+        for proc, ready, _ in urls_ready:
+            proc.wait_until(ready)
+        yield [url for _, _, url in urls_ready]
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def _peer_command(peer: Peer, binary: str, policy: str, fleet: TargetFleet, model_dir: Path,
+                  port: int, i: int, mesh: list[int]) -> tuple[list[str], Callable[[], bool]]:
+    """The command line of a peer's instance i and its readiness check."""
     urls = [r.url for r in fleet.replicas]
+    ready: Callable[[], bool]
     if peer is SMG:
         cmd = [binary, "launch", "--host", "127.0.0.1", "--port", str(port),
                "--worker-urls", *urls, "--policy", policy, "--tokenizer-path", str(model_dir),
                "--log-level", "warn", "--prometheus-host", "127.0.0.1",
                "--prometheus-port", str(free_port())]
+        if mesh:
+            cmd += ["--enable-mesh", "--mesh-server-name", f"smg-{i}", "--mesh-host",
+                    "127.0.0.1", "--mesh-advertise-host", "127.0.0.1", "--mesh-port",
+                    str(mesh[i]), "--mesh-peer-urls",
+                    *(f"127.0.0.1:{p}" for j, p in enumerate(mesh) if j != i)]
         ready = functools.partial(_smg_ready, f"http://127.0.0.1:{port}", len(urls))
     else:
         cmd = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
@@ -102,13 +144,7 @@ def peer_router(peer: Peer, policy: str, fleet: TargetFleet, model_dir: Path,
                 if r.kv_replay:
                     cmd += ["--kv-event-replay-source", f"{r.url}={r.kv_replay}"]
         ready = functools.partial(answers_ok, f"http://127.0.0.1:{port}/health")
-    proc = LoggedProcess(f"{peer.name}-{policy}{tag}", cmd)
-    proc.start(log_dir)
-    try:
-        proc.wait_until(ready)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
+    return cmd, ready
 
 
 def _smg_ready(url: str, workers: int) -> bool:
