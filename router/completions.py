@@ -10,6 +10,7 @@ import time
 from aiohttp import web
 
 from router.admission import Overloaded
+from router.batches import predict_batch
 from router.event_watch import expect_events
 from router.gateway import (
     GATEWAY,
@@ -89,6 +90,7 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     except NoReplicasError:
         return json_error(503, "no replica serves this model", "service_unavailable")
     _check_context_length(gw, parsed, route.prompt.num_tokens)
+    await predict_batch(gw, route, served)  # a batch reports its last prompt's cached tokens
     decision = route.decision
     if route.lookup.fallback is not None:
         gw.metrics.record_fallback(route.lookup.fallback)

@@ -215,3 +215,25 @@ async def test_messages_and_responses_route_to_the_replica_holding_their_convers
             assert routed == (chat.replica, full), path
             async with http.post(fleet.replicas[0].url + path, json=body) as r:
                 assert through == (r.status, await r.text()) and r.status == 404
+
+
+async def test_a_batch_is_predicted_as_vllm_reports_it_its_last_prompts_cached_tokens(
+        surface: tuple[GatewayClient, str, openai.AsyncOpenAI, openai.AsyncOpenAI]) -> None:
+    gw, _, _, _ = surface
+    assert gw.app_gateway is not None and gw.app_gateway.index is not None
+    cached, fresh = list(range(100, 180)), list(range(300, 380))
+    first = await gw.post("/v1/completions", {"model": MODEL, "prompt": cached, "max_tokens": 1})
+    await wait_indexed(gw.app_gateway.index, MODEL, first.replica, cached[:64],
+                       tenant_salt("alpha"))
+    batches = [
+        [fresh, cached],  # the last prompt is held by the replica: 64 of its 80 tokens
+        [list(range(500, 580)), list(range(500, 560)) + [7] * 20],  # shares 3 blocks in-batch
+        [cached, list(range(700, 780))],  # routed by the cached first, the last is new
+    ]
+    for prompts in batches:
+        reply = await gw.post("/v1/completions", {"model": MODEL, "prompt": prompts,
+                                                  "max_tokens": 1})
+        assert reply.status == 200, reply.body
+        assert len(reply.body["choices"]) == 2
+        assert reply.predicted == reply.cached, (prompts[-1][:3], reply.predicted, reply.cached)
+    assert [r.cached for r in gw.replies[1:]] == [64, 48, 0]
