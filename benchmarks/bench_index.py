@@ -46,7 +46,7 @@ import zmq.asyncio
 
 from replica.processes import RedisServer
 from router.events import ReplicaEventStream
-from router.index import IndexOp, MemoryIndex, PrefixIndex, RedisIndex
+from router.index import IndexOp, MemoryIndex, PrefixIndex, RedisIndex, StreamPosition
 from router.kv_events import BlockRemoved, BlockStored, EventBatch, encode_batch, seq_bytes
 
 MODEL = "bench"
@@ -233,7 +233,8 @@ async def apply_rate(index: PrefixIndex, batches: int) -> float:
 class PerOpRedisIndex(RedisIndex):
     """RedisIndex applying a batch one call (one round trip) per operation: the baseline."""
 
-    async def apply(self, replica: str, ops: Sequence[IndexOp]) -> None:
+    async def apply(self, replica: str, ops: Sequence[IndexOp], *,
+                    position: StreamPosition | None = None) -> None:
         for op in ops:
             if op.kind == "add":
                 await self.add(op.scope, replica, op.keys)
