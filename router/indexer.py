@@ -45,6 +45,7 @@ from router.discovery import (
 from router.events import EventIndexer, RekeyMode, ReplicaFeed, StreamStats
 from router.hashing import HashConfig
 from router.index import PrefixIndex
+from router.indexer_health import IndexerHealth
 
 if TYPE_CHECKING:
     from router.config import ReplicaConfig
@@ -212,13 +213,17 @@ def _log_stats(indexer: EventIndexer) -> None:
 
 
 async def run_indexer(feeds: list[ReplicaFeed], dns: list[DnsReplicas], index: PrefixIndex,
-                      *, replay_timeout_s: float, stats_interval_s: float) -> int:
-    """Follow every feed into `index` until SIGTERM/SIGINT, logging counters as it goes."""
+                      *, replay_timeout_s: float, stats_interval_s: float,
+                      health: IndexerHealth | None = None) -> int:
+    """Follow every feed into `index` until SIGTERM/SIGINT, logging counters as it goes;
+    `health` (router/indexer_health.py) watches the streams while they run."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     indexer = EventIndexer(index, replay_timeout_s=replay_timeout_s)
+    if health is not None:
+        health.indexer = indexer
     follower = DnsFollower(indexer, feeds, dns)
     dns_task: asyncio.Task[None] | None = None
     try:
@@ -240,6 +245,8 @@ async def run_indexer(feeds: list[ReplicaFeed], dns: list[DnsReplicas], index: P
             dns_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await dns_task
+        if health is not None:
+            health.indexer = None
         await indexer.stop()
         await index.close()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -15,6 +15,8 @@ DNS replicas and the rekey modes (--rekey is the default for config replicas wit
 `rekey` setting) are described in router/indexer.py.
 
 Runs until SIGTERM or SIGINT, logging each stream's counters every --stats-interval.
+With --health-port, GET /healthz answers 200 while the event streams run and the index
+answers, 503 otherwise (router/indexer_health.py): the chart's liveness and readiness.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from router.events import DEFAULT_REPLAY_TIMEOUT_S, ReplicaFeed, lead_while_holding
@@ -39,6 +42,7 @@ from router.index import (
 )
 from router.index.connection import BadIndexURL
 from router.indexer import REKEY_SETTINGS, DnsReplicas, feeds_from_config, run_indexer
+from router.indexer_health import IndexerHealth, serving_health
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +105,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-ttl", type=float, default=DEFAULT_LEASE_TTL_S,
                         metavar="SECONDS", help="how long a lease lasts unrenewed: a standby "
                         f"takes over within about this long (default {DEFAULT_LEASE_TTL_S})")
+    parser.add_argument("--health-port", type=_port, metavar="PORT",
+                        help="serve GET /healthz on this port (200 healthy, 503 wedged)")
+    parser.add_argument("--health-host", default="127.0.0.1", metavar="HOST",
+                        help="address the health endpoint binds (default 127.0.0.1)")
     parser.add_argument("--log-level", default="INFO")
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1-65535)")
+    return port
+
+
+async def _with_health(args: argparse.Namespace, health: IndexerHealth,
+                       main: Callable[[], Awaitable[object]]) -> object:
+    """Run `main`, serving /healthz alongside when --health-port is given."""
+    if args.health_port is None:
+        return await main()
+    async with serving_health(health, args.health_host, args.health_port):
+        return await main()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -153,8 +180,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"--index must be a redis:// URL or 'memory', got {index_url!r}", file=sys.stderr)
         return 2
-    return asyncio.run(run_indexer(feeds, dns, index, replay_timeout_s=args.replay_timeout,
-                                   stats_interval_s=args.stats_interval))
+    health = IndexerHealth(index)
+    asyncio.run(_with_health(args, health, lambda: run_indexer(
+        feeds, dns, index, replay_timeout_s=args.replay_timeout,
+        stats_interval_s=args.stats_interval, health=health)))
+    return 0
 
 
 async def _run_leased(args: argparse.Namespace, feeds: list[ReplicaFeed], dns: list[DnsReplicas],
@@ -177,7 +207,7 @@ async def _run_leased(args: argparse.Namespace, feeds: list[ReplicaFeed], dns: l
                                     fence_token=token)
         try:
             await run_indexer(feeds, dns, index, replay_timeout_s=args.replay_timeout,
-                              stats_interval_s=args.stats_interval)
+                              stats_interval_s=args.stats_interval, health=health)
             stop.set()
         finally:
             on_signals()
@@ -185,8 +215,9 @@ async def _run_leased(args: argparse.Namespace, feeds: list[ReplicaFeed], dns: l
     on_signals()
     log.info("standing by for the indexer lease as %s (ttl %.1fs)", settings.holder,
              settings.ttl_s)
+    health = IndexerHealth(lease_index)  # standing by: healthy while Redis answers
     try:
-        await lead_while_holding(lease, lead, stop)
+        await _with_health(args, health, lambda: lead_while_holding(lease, lead, stop))
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

@@ -108,6 +108,11 @@ class ReplicaEventStream:
         self._monitor_task = asyncio.create_task(
             self._watch_connection(), name=f"kv-events-monitor-{self.replica_id}")
 
+    @property
+    def running(self) -> bool:
+        """Whether the stream is applying events (started, and its task has not ended)."""
+        return self._task is not None and not self._task.done()
+
     async def stop(self) -> None:
         """Stop the task and close the sockets (the index keeps its entries)."""
         for task in (self._task, self._monitor_task):

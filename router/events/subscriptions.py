@@ -56,6 +56,10 @@ class EventIndexer:
         """Each replica's stream counters."""
         return {rid: stream.stats for rid, (_, stream) in self._streams.items()}
 
+    def stopped_streams(self) -> list[str]:
+        """Replicas whose stream task has ended (on an error): it applies no more events."""
+        return [rid for rid, (_, stream) in self._streams.items() if not stream.running]
+
     async def add_replica(self, feed: ReplicaFeed) -> ReplicaEventStream:
         """Subscribe to a replica (replacing its stream if its feed changed)."""
         current = self._streams.get(feed.replica_id)
