@@ -99,9 +99,15 @@ async def _relay(gw: Gateway, request: web.Request, replica: Replica, path: str,
             response = web.StreamResponse(status=resp.status, headers={
                 "Content-Type": content_type, "Cache-Control": "no-cache", **out_headers})
             await response.prepare(request)
-            async for chunk in resp.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
+            try:
+                async for chunk in resp.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+            except (aiohttp.ClientError, OSError) as exc:
+                # The client left, or the replica broke off mid-stream: the answer has
+                # begun, so there is nothing to retry; leaving closes the upstream
+                # connection, which is how vLLM learns to abort.
+                log.info("%s stream from %s ended early: %s", path, replica.replica_id, exc)
             return response
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         log.warning("%s on %s failed: %s", path, replica.replica_id, exc)
