@@ -77,11 +77,14 @@ def container(objs: list[Obj], component: str) -> Obj:
 
 
 def env_refs(c: Obj) -> dict[str, Any]:
-    """Env name -> literal value, or (secret, key) for a secretKeyRef."""
+    """Env name -> literal value, or (secret, key) for a secretKeyRef; the pod's own
+    fields (fieldRef: its IP) are neither config nor secrets and are left out."""
     out: dict[str, Any] = {}
     for e in c.get("env", []):
         if "value" in e:
             out[e["name"]] = e["value"]
+        elif "fieldRef" in e["valueFrom"]:
+            continue
         else:
             ref = e["valueFrom"]["secretKeyRef"]
             out[e["name"]] = (ref["name"], ref["key"])
@@ -388,6 +391,21 @@ def test_probes(default_objs: list[Obj]) -> None:
     assert redis["readinessProbe"]["tcpSocket"] == {"port": "redis"}
 
 
+def test_indexer_probes_its_health_endpoint_on_the_pod_ip(default_objs: list[Obj]) -> None:
+    indexer = container(default_objs, "indexer")
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert indexer[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert {"name": "health", "containerPort": 8091, "protocol": "TCP"} in indexer["ports"]
+    args = indexer["command"]
+    assert args[args.index("--health-port") + 1] == "8091"
+    assert args[args.index("--health-host") + 1] == "$(POD_IP)"
+    pod_ip = next(e for e in indexer["env"] if e["name"] == "POD_IP")
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    # A minute of a dead stream or an unreachable Redis before a restart, not one blip.
+    live = indexer["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= 60
+
+
 def test_pods_run_unprivileged(default_objs: list[Obj]) -> None:
     for o in default_objs:
         if o["kind"] not in ("Deployment", "StatefulSet"):
@@ -600,6 +618,8 @@ def test_network_policies_can_be_turned_off() -> None:
     ({"vllm": {"resources": {"limits": {"memory": "64 GB"}}}}, "/vllm/resources/limits/memory"),
     ({"indexer": {"resources": {"requests": {"memory": -1}}}}, "/indexer/resources/requests/memory"),
     ({"secrets": {"requireExisting": "yes"}}, "/secrets/requireExisting"),
+    ({"indexer": {"healthPort": 70000}}, "/indexer/healthPort"),
+    ({"indexer": {"livenessProbe": {"periodSeconds": 0}}}, "/indexer/livenessProbe/periodSeconds"),
 ])
 def test_schema_rejects_bad_values(values: dict[str, Any], path: str) -> None:
     with pytest.raises(helm.HelmValuesError) as excinfo:
