@@ -9,7 +9,7 @@ neighbouring replicas. Then measures, from Redis's own accounting (INFO memory a
 commandstats, which count the commands a script runs, with their CPU time):
 
   memory      bytes per block entry (one replica holding one block) and per million
-  writes      Redis commands and server CPU (us) per KV-event batch of 4 stored + 1 removed
+  writes      Redis commands and server CPU (us) per KV-event batch (--stored, --removed)
   lookups     Redis commands and server CPU (us) per lookup, chains of 64 and 512 blocks
 
 Server CPU is what bounds one Redis (one core): ops/s = 1e6 / (us per op). Client-side
@@ -71,7 +71,8 @@ def chain(replica: int, c: int, length: int) -> list[int]:
     return list(range(base, base + length))
 
 
-async def run(url: str, replicas: int, chains: int, length: int) -> None:
+async def run(url: str, replicas: int, chains: int, length: int, stored: int, removed: int
+              ) -> None:
     index = RedisIndex.from_url(url, op_timeout_s=60, socket_timeout_s=60)
     try:
         await index.client.flushall()
@@ -97,15 +98,19 @@ async def run(url: str, replicas: int, chains: int, length: int) -> None:
 
         def batch(i: int) -> Awaitable[None]:
             r = i % replicas
-            keys = tuple(range(9_000_000_000 + 8 * i, 9_000_000_000 + 8 * i + 4))
+            base = 9_000_000_000 + 64 * i
+            # As the planner merges them: one add of the new run, one remove of the evicted.
+            old = chain(r, 3 + 2 * (i // replicas) % (chains - 4), length)
             return index.apply(f"replica-{r}", [
-                IndexOp("add", MODEL, keys, parent=chain(r, 1, length)[-1]),
-                IndexOp("remove", MODEL, (chain(r, 1, length)[-1] + 1,))])
+                IndexOp("add", MODEL, tuple(range(base, base + stored)),
+                        parent=chain(r, 1, length)[-1]),
+                IndexOp("remove", MODEL, tuple(old[-removed:]))])
 
         await lookups(index, replicas, length, "before any remove")
         calls, us, wall = await measured(index, 2000, batch)
-        print(f"writes: per KV-event batch (4 stored + 1 removed): {us:.1f} us Redis CPU "
-              f"({1e6 / us:,.0f} batches/s, {4e6 / us:,.0f} stored blocks/s per Redis core); "
+        print(f"writes: per KV-event batch ({stored} stored + {removed} removed): {us:.1f} us "
+              f"Redis CPU ({1e6 / us:,.0f} batches/s, {stored * 1e6 / us:,.0f} stored blocks/s "
+              f"per Redis core); "
               f"commands {sum(calls.values()):.1f}: "
               + ", ".join(f"{k} {v:.2f}" for k, v in calls.items() if v >= 0.01)
               + f"; client wall {wall / 2000 * 1e3:.2f} ms")
@@ -134,10 +139,13 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--chains", type=int, default=1500)
     parser.add_argument("--length", type=int, default=64)
+    parser.add_argument("--stored", type=int, default=4, help="blocks stored per batch")
+    parser.add_argument("--removed", type=int, default=1, help="blocks removed per batch")
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, loopback Redis")
     with redis_server() as server:
-        asyncio.run(run(server.url, args.replicas, args.chains, args.length))
+        asyncio.run(run(server.url, args.replicas, args.chains, args.length, args.stored,
+                        args.removed))
     return 0
 
 
