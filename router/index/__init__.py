@@ -42,7 +42,7 @@ gateway's few-ms lookup deadline on a busy host; benchmarks/bench_index.py measu
 
 The bisection rests on prefix closure: if a replica holds block i of a chain it holds
 blocks 0..i-1 too. Keys chain (block i's key stands for its whole prefix), vLLM evicts
-leaf-first and a hit touches the whole prefix (../shared/VLLM_FACTS.md), so an index
+leaf-first and a hit touches the whole prefix (vLLM 0.32's v1/core/block_pool.py), so an index
 mirroring a replica's KV events holds prefixes; so does `record`, whose writes are whole
 chains from block 0 trimmed tail-first. Where it can fail, the writers leave a flag per
 (scope, replica) and the lookup pays for exactness instead of trusting it:
