@@ -1,7 +1,7 @@
 """Soak: sustained load through the gateway, watched window by window.
 
     .venv/bin/python benchmarks/bench_soak.py [--duration 60] [--window 10] [--clients 16]
-                                              [--replicas 3]
+                                              [--replicas 3] [--num-blocks 20000]
 
 A gateway process (`python -m router serve`, memory index fed by KV events) in front of
 simulated replicas (processes, the "unit" prefill profile sped up 20x so a request is a
@@ -12,6 +12,12 @@ non-streamed requests. Reported per window: requests, errors (any non-200, any s
 that does not end in a finish and [DONE], any transport error), latency p50/p99; and the
 gateway's resident memory (RSS, from /proc via psutil) at the start, per window, and at
 the end: a leak shows as RSS climbing window after window at a steady request rate.
+
+Every structure the gateway keeps is bounded by something the soak reaches: the index by
+the replicas' caches (`--num-blocks` each; smaller fills them, and so shows the plateau,
+sooner), the chain cache and pending chains by their capacities, suspects by theirs. So
+memory grows while the replicas' caches fill and must then stay flat: the report gives
+the RSS slope over the last half of the windows (MB per minute), which must be near 0.
 """
 
 from __future__ import annotations
@@ -67,6 +73,18 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def rss_slope(windows: list[Window], window_s: float) -> float:
+    """Least-squares RSS slope (MB per minute) over the last half of the windows."""
+    tail = windows[len(windows) // 2:]
+    if len(tail) < 2:
+        return float("nan")
+    xs = [w.start / 60.0 for w in tail]
+    ys = [w.rss_mb for w in tail]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else 0.0
+
+
 def _ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/ready", timeout=2) as resp:
@@ -75,7 +93,8 @@ def _ready(url: str) -> bool:
         return False
 
 
-def start_gateway(fleet: SimFleet, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_gateway(fleet: SimFleet, tmp: Path, chain_cache_blocks: int | None = None,
+                  ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     raw = {
         "listen": {"host": "127.0.0.1", "port": port},
@@ -87,6 +106,8 @@ def start_gateway(fleet: SimFleet, tmp: Path) -> tuple[subprocess.Popen[bytes], 
         "tenants": {"secret_env": "CACHEROUTE_SALT_SECRET",
                     "keys": [{"key": "sk-soak", "tenant": "soak"}]},
     }
+    if chain_cache_blocks is not None:
+        raw["limits"] = {"chain_cache_blocks": chain_cache_blocks}
     config = tmp / "gateway.yaml"
     config.write_text(yaml.safe_dump(raw))
     with open(tmp / "gateway.log", "wb") as log:  # the child keeps its own copy of the fd
@@ -203,12 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=16, help="closed-loop clients")
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--num-blocks", type=int, default=20000,
+                        help="KV blocks per replica (the index holds at most these)")
+    parser.add_argument("--chain-cache-blocks", type=int, default=None,
+                        help="the gateway's limits.chain_cache_blocks (default 500,000: "
+                        "~135 MB, reached after ~150k requests of this workload)")
     args = parser.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="cacheroute-soak-"))
-    with SimFleet(args.replicas, block_size=16, num_blocks=20000, prefill_profile="unit",
+    with SimFleet(args.replicas, block_size=16, num_blocks=args.num_blocks, prefill_profile="unit",
                   time_scale=20.0) as fleet:
-        proc, url = start_gateway(fleet, tmp)
+        proc, url = start_gateway(fleet, tmp, args.chain_cache_blocks)
         try:
             gateway = psutil.Process(proc.pid)
             windows, rss_start, rss_end = asyncio.run(
@@ -232,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
           f"p50 {pct(all_latencies, 0.5) * 1000:.1f} ms, p99 {pct(all_latencies, 0.99) * 1000:.1f} "
           f"ms, mean {statistics.fmean(all_latencies) * 1000 if all_latencies else 0:.1f} ms")
     print(f"gateway RSS: start {rss_start:.1f} MB, end {rss_end:.1f} MB "
-          f"({rss_end - rss_start:+.1f} MB)")
+          f"({rss_end - rss_start:+.1f} MB); last half's slope {rss_slope(windows, args.window):+.2f} "
+          "MB/min")
     return 1 if errors else 0
 
 

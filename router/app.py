@@ -145,7 +145,7 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
     # Ejections are counted by the proxy, the only caller of report_failure; a listener
     # recording them too would count each one twice.
     gw.pipeline = RoutingPipeline(
-        tokenizers=gw.tokenizers, chains=ChainCache(), index=gw.index,
+        tokenizers=gw.tokenizers, chains=ChainCache(gw.config.limits.chain_cache_blocks), index=gw.index,
         policy=build_policy(gw.config.policy, gw.rng),
         index_deadline_s=gw.config.index.deadline_ms / 1000.0, executor=gw.executor,
         pending=PendingChains(ttl_s=gw.config.policy.pending_ttl_s), clock=fleet.now)

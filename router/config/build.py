@@ -426,6 +426,7 @@ def _limits(s: _Section) -> LimitsConfig:
         queue_timeout_s=s.get("queue_timeout_s", _nonneg_number, d.queue_timeout_s),
         max_n=s.get("max_n", _pos_int, d.max_n),
         max_tokens_limit=s.get("max_tokens_limit", _pos_int, d.max_tokens_limit),
+        chain_cache_blocks=s.get("chain_cache_blocks", _pos_int, d.chain_cache_blocks),
     )
     s.finish()
     return out

@@ -178,6 +178,10 @@ class LimitsConfig:
     queue_timeout_s: float = 30.0
     max_n: int = 16
     max_tokens_limit: int = 131072
+    # Prompt blocks whose keys the gateway remembers so a conversation's next turn hashes
+    # only its new blocks (router.routing.ChainCache): about 270 bytes each, so the
+    # default holds ~135 MB at most; a soak plateaus once it is full.
+    chain_cache_blocks: int = 500_000
 
 
 @dataclass(frozen=True)
