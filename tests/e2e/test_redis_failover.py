@@ -57,9 +57,10 @@ async def primary_port(sentinel_port: int) -> int | None:
         await client.aclose()
 
 
+@pytest.mark.parametrize("leased", [False, True], ids=["indexer", "leased-indexer"])
 async def test_sentinel_failover_under_load_loses_no_request(
         topology: RedisTopology, processes: ProcessGroup, http: aiohttp.ClientSession,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, leased: bool) -> None:
     # Starting a process waits for its port: off the event loop.
     primary = await asyncio.to_thread(topology.server, "primary", password=PASSWORD)
     replica = await asyncio.to_thread(topology.server, "replica", password=PASSWORD,
@@ -71,8 +72,11 @@ async def test_sentinel_failover_under_load_loses_no_request(
     async with AsyncSimFleet(3, block_size=16, num_blocks=4000) as fleet:
         raw = gateway_config(fleet.replicas, model=MODEL, port=free_port(), index=url)
         raw["index"]["password_env"] = PASSWORD_ENV
+        # Leased: the lease and positions live in Redis too, and fail over with it; the
+        # holder steps down when it cannot renew, and leads again on the new primary.
+        lease = ["--lease", "--lease-ttl", "1"] if leased else []
         processes.spawn(["indexer", "--config", str(processes.write_config(raw, "indexer")),
-                         "--stats-interval", "60"], "indexer")
+                         "--stats-interval", "60", *lease], "indexer")
         gw = GatewayClient(await processes.start_gateway(raw, "gateway"), http)
         index = RedisIndex.from_url(url, password=PASSWORD)
         salt = tenant_salt("alpha")
@@ -123,7 +127,7 @@ async def test_sentinel_failover_under_load_loses_no_request(
                 stop.set()
                 await load
             tally.check()
-            print(f"\nsentinel failover under load: promoted {promoted_s:.2f}s after the kill, "
+            print(f"\nsentinel failover under load ({'leased ' if leased else ''}indexer): promoted {promoted_s:.2f}s after the kill, "
                   f"index current {current_s:.2f}s after; {tally.summary()}; turns predicted = "
                   f"cached before {sum(before)}/{len(before)}, after "
                   f"{sum(after_turns)}/{len(after_turns)}")
