@@ -31,14 +31,15 @@ by a constant factor is corrected from the replica's own answers.
 
 What cache_aware minimises is that TTFT plus the delay its prefill adds for others:
 
-    cost      = ttft + work_weight * queued_behind * bias * (prefill - base_s)
-    queued_behind = mean requests waiting for their prefill per replica (fleet)
+    cost      = ttft + work_weight * waiting * bias * (prefill - base_s)
+    waiting   = pending + external_waiting     # requests waiting for their prefill there
 
 Every second of prefill a replica spends on this request delays each request that queues
-behind it there; when the fleet has queues, about as many as wait now. An idle fleet
-(queued_behind 0) scores by this request's own TTFT alone; a loaded one weighs a cache
-hit (little prefill) more, because recomputing a cold prefix there costs everyone
-queued after it, which a per-request TTFT minimum ignores.
+behind it there, and a replica's queue now is the best guess of how many will. An idle
+replica delays no one by taking a cold prefill, so an idle fleet scores by TTFT alone;
+on a backed-up one a cache hit (little prefill) is worth more than its own TTFT says,
+because recomputing a cold prefix there costs everyone queued after it. A hot replica's
+growing queue also makes it dearer for everything, so a popular prefix still spreads.
 
 The hot term is the guard against hot-spotting. A popular prefix keeps landing on the one
 replica holding it until that replica's queue costs more than a whole cold prefill; well
@@ -98,16 +99,8 @@ def mean_load(replicas: Sequence[ReplicaState]) -> float:
     return sum(r.load for r in replicas) / len(replicas) if replicas else 0.0
 
 
-def mean_queued(replicas: Sequence[ReplicaState]) -> float:
-    """Requests waiting for their prefill per replica, over the fleet (ours and others')."""
-    if not replicas:
-        return 0.0
-    return sum(r.pending + r.external_waiting for r in replicas) / len(replicas)
-
-
 def estimate_ttft(
-    request: RoutingRequest, replica: ReplicaState, fleet_mean_load: float, config: PolicyConfig,
-    queued_behind: float = 0.0,
+    request: RoutingRequest, replica: ReplicaState, fleet_mean_load: float, config: PolicyConfig
 ) -> TtftEstimate:
     """Predicted TTFT of `request` on `replica` (see the module docstring for the formula)."""
     cached = cached_tokens(request, replica)
@@ -141,5 +134,8 @@ def estimate_ttft(
     )
     hot_line = config.hot_ratio * fleet_mean_load + config.hot_slack
     hot_s = config.hot_cost_s * max(0.0, load - hot_line)
-    delay_s = config.work_weight * queued_behind * bias * queued_work_s
+    # The requests waiting there now stand for those that will queue behind this one:
+    # an idle replica delays no one by taking a cold prefill, a backed-up one does.
+    waiting_there = replica.pending + replica.external_waiting
+    delay_s = config.work_weight * waiting_there * bias * queued_work_s
     return TtftEstimate(cached, queue_s, hot_s, prefill_s, queued_work_s, delay_s)

@@ -22,7 +22,6 @@ from router.policy import (
     cached_tokens,
     estimate_ttft,
 )
-from router.policy.cost import mean_queued
 
 PROMPT = 2000  # tokens; at block size 16, 124 blocks are cacheable ((2000 - 1) // 16)
 FULL = 124
@@ -442,31 +441,35 @@ def test_decision_carries_each_replicas_predicted_work_for_the_proxy() -> None:
     assert d.predicted_work["r0"][1] == pytest.approx(d.costs["r0"])
 
 
-def test_a_busy_fleet_weighs_the_prefill_a_request_makes_others_wait_for() -> None:
+def test_a_backed_up_replica_weighs_the_prefill_a_request_makes_others_wait_for() -> None:
     # r0 holds the prompt but has 0.1 s more queued than cold r1. Alone, r1's first token
-    # is sooner (the cold prefill, 0.058 s, is under 0.1 s); with 3 requests waiting per
-    # replica, the 0.046 s of extra prefill r1 would spend delays each of them, so r0.
+    # is sooner (the cold prefill, 0.058 s, is under 0.1 s); with 3 requests waiting at
+    # r1 the 0.046 s of prefill it would spend there delays each of them, so r0.
     config = PolicyConfig()
     holder = ReplicaState("r0", block_size=16, matched_blocks=FULL, queued_prefill_s=0.1)
     cold = ReplicaState("r1", block_size=16)
     assert policy().decide(request(), [holder, cold]).replica_id == "r1"
-    # Three of ours waiting for their prefill on each (r1's about to finish theirs).
-    busy = [replace(holder, pending=3), replace(cold, pending=3)]
+    # Three waiting at each (r1's about to finish theirs).
+    busy = [replace(holder, pending=3), replace(cold, pending=1, external_waiting=2, waiting=2,
+                                                mean_prefill_s=0.0, scrape_age_s=10.0)]
     assert policy().decide(request(), busy).replica_id == "r0"
-    est = estimate_ttft(request(), busy[1], 1.5, config, queued_behind=3.0)
+    est = estimate_ttft(request(), busy[1], 1.5, config)
     work = config.prefill.seconds(PROMPT, PROMPT) - config.prefill.base_s
     assert est.delay_to_others_s == pytest.approx(3.0 * work)
     assert est.cost_s == pytest.approx(est.total_s + 3.0 * work)
     # It is scored, not predicted: the TTFT the proxy learns against excludes it.
     d = policy().decide(request(), busy)
     assert d.predicted_work["r1"][1] == pytest.approx(d.costs["r1"])
-    assert d.costs["r1"] == pytest.approx(
-        estimate_ttft(request(), busy[1], 1.5, config, queued_behind=3.0).total_s)
+    assert d.costs["r1"] == pytest.approx(est.total_s)
     # work_weight 0 turns it off: the sooner first token wins again.
     assert policy(work_weight=0.0).decide(request(), busy).replica_id == "r1"
 
 
-def test_mean_queued_counts_ours_and_others_waiting_per_replica() -> None:
-    states = [ReplicaState("a", pending=2, external_waiting=1), ReplicaState("b")]
-    assert mean_queued(states) == 1.5
-    assert mean_queued([]) == 0.0
+def test_an_idle_replica_takes_a_cold_prefill_without_a_penalty() -> None:
+    # The holder is backed up; an idle replica delays no one by prefilling cold.
+    config = PolicyConfig()
+    holder = ReplicaState("r0", block_size=16, matched_blocks=FULL, pending=6,
+                          queued_prefill_s=0.3)
+    idle = ReplicaState("r1", block_size=16)
+    assert estimate_ttft(request(), idle, 3.0, config).delay_to_others_s == 0.0
+    assert policy().decide(request(), [holder, idle]).replica_id == "r1"
