@@ -38,7 +38,6 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -48,7 +47,8 @@ from router.config import ProxyConfig
 from router.metrics import GatewayMetrics
 from router.replicas import Fleet, Replica
 from router.request import error_payload
-from router.suspects import Fingerprint, SuspectList, Suspicion, request_fingerprint
+from router.suspects import SuspectList, Suspicion
+from router.upstream import ProxyOutcome, SSEReader, StreamState, UpstreamRequest, event_data
 
 log = logging.getLogger(__name__)
 
@@ -91,50 +91,6 @@ class RetryBudget:
         self.retrying -= 1
 
 
-@dataclass
-class UpstreamRequest:
-    """What to send upstream and how the client wanted the answer shaped."""
-
-    path: str
-    body: dict[str, Any]
-    headers: dict[str, str]
-    stream: bool
-    client_wants_usage: bool = True
-    strip_token_ids: bool = False  # the gateway asked for return_token_ids, not the client
-    max_tokens: int | None = None
-    payload: bytes | None = None  # `body` already serialized (off the loop, for long prompts)
-    # replica id -> (predicted prefill seconds, predicted TTFT seconds), for the replica's
-    # outstanding-work account (router/outstanding.py); replicas not named count 0.
-    predicted_work: Mapping[str, tuple[float, float]] = field(default_factory=dict)
-    # Identifies the request again (router/suspects.py); None: a hash of the body.
-    fingerprint: Fingerprint | None = None
-
-    def identity(self) -> Fingerprint:
-        """The request's fingerprint, computed from the body when none was given."""
-        if self.fingerprint is None:
-            body = self.payload if self.payload is not None else \
-                json.dumps(self.body, sort_keys=True).encode()
-            self.fingerprint = request_fingerprint({}, 0, body, None)
-        return self.fingerprint
-
-
-@dataclass
-class ProxyOutcome:
-    """What happened to one forwarded request, for recording."""
-
-    replica_id: str | None = None
-    status: int = 0
-    attempts: int = 0
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    output_token_ids: list[int] | None = None
-    completed: bool = False
-    client_disconnected: bool = False
-    error: str | None = None
-    first_byte_at: float | None = None  # time.perf_counter() when the client got a byte
-    failures: list[tuple[str, str]] = field(default_factory=list)  # (replica, reason)
-
-
 class UpstreamFailure(Exception):
     """An attempt failed before any byte reached the client.
 
@@ -151,120 +107,6 @@ class UpstreamFailure(Exception):
         self.status = status
         self.accepted = accepted
         self.status_seen = 0  # the replica's own HTTP status, where it answered one
-
-
-class _SSEReader:
-    """Splits an upstream byte stream into SSE events (each ending in a blank line)."""
-
-    def __init__(self, content: aiohttp.StreamReader) -> None:
-        self._content = content
-        self._buf = b""
-
-    async def next_event(self) -> bytes | None:
-        """The next raw event including its terminator, or None at a clean end of stream."""
-        while True:
-            for sep in (b"\n\n", b"\r\n\r\n"):
-                pos = self._buf.find(sep)
-                if pos != -1:
-                    event, self._buf = self._buf[: pos + len(sep)], self._buf[pos + len(sep):]
-                    return event
-            chunk = await self._content.readany()
-            if not chunk:
-                if self._buf.strip():
-                    # The connection ended mid-event: not a clean end.
-                    raise aiohttp.ClientPayloadError("upstream closed mid-event")
-                return None
-            self._buf += chunk
-
-
-def _event_data(event: bytes) -> bytes:
-    """The concatenated data lines of one SSE event."""
-    lines = [line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:")]
-    return b"\n".join(lines)
-
-
-def _has_content(chunk: dict[str, Any]) -> bool:
-    """Whether a streamed chunk carries generated output (not just the role)."""
-    for choice in chunk.get("choices") or ():
-        delta = choice.get("delta")
-        if delta is not None:
-            if delta.get("content") or delta.get("tool_calls") or delta.get("reasoning") or \
-                    delta.get("reasoning_content"):
-                return True
-        elif choice.get("text"):
-            return True
-        if choice.get("finish_reason") is not None or choice.get("token_ids"):
-            return True
-    return False
-
-
-@dataclass
-class _StreamState:
-    """Per-response bookkeeping while relaying chunks."""
-
-    up: UpstreamRequest
-    outcome: ProxyOutcome
-    token_ids: list[int] = field(default_factory=list)
-    saw_token_ids: bool = False
-
-    def take_usage(self, usage: Mapping[str, Any] | None) -> None:
-        if not usage:
-            return
-        self.outcome.prompt_tokens = usage.get("prompt_tokens")
-        details = usage.get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens")
-        if cached is not None:
-            self.outcome.cached_tokens = int(cached)
-
-    def absorb(self, data: dict[str, Any]) -> bool:
-        """Take usage and generated token ids from a response body or chunk; strip the
-        token ids the gateway asked for on the client's behalf. Whether it changed."""
-        self.take_usage(data.get("usage"))
-        changed = False
-        for choice in data.get("choices") or ():
-            ids = choice.get("token_ids")
-            if ids is not None and choice.get("index", 0) == 0:
-                self.token_ids.extend(int(t) for t in ids)
-                self.saw_token_ids = True
-            if self.up.strip_token_ids and "token_ids" in choice:
-                del choice["token_ids"]
-                changed = True
-            # Completions put the prompt's ids in each choice (chat at the top level).
-            if self.up.strip_token_ids and "prompt_token_ids" in choice:
-                del choice["prompt_token_ids"]
-                changed = True
-        if self.up.strip_token_ids and "prompt_token_ids" in data:
-            del data["prompt_token_ids"]
-            changed = True
-        return changed
-
-    def process(self, event: bytes) -> tuple[bytes | None, bool]:
-        """(bytes to send or None to drop, whether it carries content). Unchanged unless
-        it is the usage chunk the client did not ask for or carries token ids we asked for."""
-        data = _event_data(event)
-        if not data or data == b"[DONE]" or not data.startswith(b"{"):
-            return event, False
-        needs_parse = b'"usage"' in data or b'"choices"' in data
-        if not needs_parse:
-            return event, False
-        try:
-            chunk = json.loads(data)
-        except ValueError:
-            return event, False
-        if not isinstance(chunk, dict):
-            return event, False
-        if "error" in chunk:
-            return event, True
-        content = _has_content(chunk)
-        changed = self.absorb(chunk)
-        if not self.up.client_wants_usage and chunk.get("usage"):
-            if not chunk.get("choices"):
-                return None, False  # the usage-only chunk the gateway added
-            chunk["usage"] = None
-            changed = True
-        if changed:
-            return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n", content
-        return event, content
 
 
 class Forwarder:
@@ -401,14 +243,18 @@ class Forwarder:
         else:
             deadline = s.first_token_timeout_s + s.idle_timeout_s * max(1, up.max_tokens or 1)
         replica.inflight += 1
-        prefill_s, predicted_ttft_s = up.predicted_work.get(replica.replica_id, (0.0, 0.0))
-        work = replica.work.begin(self._fleet.now(), prefill_s, predicted_ttft_s, up.stream)
+        # The routing decision already entered this request in its chosen replica's
+        # account (so that the next decision saw it); a failover attempt enters its own.
+        work = up.reserved.pop(replica.replica_id, None)
+        if work is None:
+            prefill_s, predicted_ttft_s = up.predicted_work.get(replica.replica_id, (0.0, 0.0))
+            work = replica.work.begin(self._fleet.now(), prefill_s, predicted_ttft_s, up.stream)
         resp: aiohttp.ClientResponse | None = None
         handed_over = False
         try:
-            state = _StreamState(up, outcome)
+            state = StreamState(up, outcome)
             held: list[bytes] = []
-            reader: _SSEReader | None = None
+            reader: SSEReader | None = None
             try:
                 async with asyncio.timeout(deadline):
                     if up.payload is not None:
@@ -425,7 +271,7 @@ class Forwarder:
                     if resp.status >= 400 or not up.stream:
                         payload = await resp.read()
                     else:
-                        reader = _SSEReader(resp.content)
+                        reader = SSEReader(resp.content)
                         while True:
                             event = await reader.next_event()
                             if event is None:
@@ -434,7 +280,7 @@ class Forwarder:
                             failed = _error_event_status(event)
                             if failed is not None:
                                 # The replica failed it before any content: as a 5xx answer.
-                                raise _status_failure(failed, _event_data(event).decode(
+                                raise _status_failure(failed, event_data(event).decode(
                                     errors="replace"))
                             if out is not None:
                                 held.append(out)
@@ -479,7 +325,7 @@ class Forwarder:
                 outcome.output_token_ids = state.token_ids
 
     def _plain_response(self, resp: aiohttp.ClientResponse, payload: bytes,
-                        state: _StreamState, headers: dict[str, str]) -> web.Response:
+                        state: StreamState, headers: dict[str, str]) -> web.Response:
         body = payload
         if resp.status < 400:
             try:
@@ -492,8 +338,8 @@ class Forwarder:
             "Content-Type": resp.headers.get("Content-Type", "application/json"), **headers})
 
     async def _relay(self, request: web.Request, response: web.StreamResponse,
-                     resp: aiohttp.ClientResponse, reader: _SSEReader, held: list[bytes],
-                     state: _StreamState, replica: Replica) -> None:
+                     resp: aiohttp.ClientResponse, reader: SSEReader, held: list[bytes],
+                     state: StreamState, replica: Replica) -> None:
         """Send the held events, then every further event as it arrives."""
         outcome = state.outcome
         try:
@@ -516,7 +362,7 @@ class Forwarder:
             self._metrics.record_client_disconnect()
             raise
 
-    async def _events_after_commit(self, reader: _SSEReader, state: _StreamState,
+    async def _events_after_commit(self, reader: SSEReader, state: StreamState,
                                    replica: Replica) -> AsyncIterator[bytes]:
         """Upstream events after the first byte; a failure now ends the stream with an
         SSE error event, because the client has already seen part of the answer."""
@@ -560,7 +406,7 @@ def _status_failure(status: int, text: str) -> UpstreamFailure:
 
 def _error_event_status(event: bytes) -> int | None:
     """The 5xx status of an SSE error event (vLLM streams engine failures so), else None."""
-    data = _event_data(event)
+    data = event_data(event)
     if b'"error"' not in data:
         return None
     try:

@@ -16,9 +16,9 @@ from replica import request_rules as sim_rules
 from replica.engine import RequestRejected
 from router.config import LimitsConfig, TenantKeyConfig, TenantsConfig
 from router.endpoints import anthropic_chat, chat_view, responses_chat
-from router.proxy import ProxyOutcome, UpstreamRequest, _StreamState
 from router.request import ClientError, parse_request
 from router.tenants import ClientSaltRejected, TenantRegistry
+from router.upstream import ProxyOutcome, StreamState, UpstreamRequest
 from router.vllm_rules import check_context, skips_prefix_cache
 
 LEN = 8192
@@ -153,7 +153,7 @@ def test_an_unsalted_tenants_cache_salt_is_refused_with_a_true_message() -> None
 def test_completion_choices_lose_only_the_prompt_ids_the_gateway_asked_for(strip: bool) -> None:
     up = UpstreamRequest(path="/v1/completions", body={}, headers={}, stream=False,
                          strip_token_ids=strip)
-    state = _StreamState(up, ProxyOutcome())
+    state = StreamState(up, ProxyOutcome())
     body = {"choices": [{"index": i, "text": "x", "token_ids": [5], "prompt_token_ids": [1, 2]}
                         for i in range(2)]}
     assert state.absorb(body) is strip

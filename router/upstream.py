@@ -1,0 +1,179 @@
+"""What goes to a replica and what comes back: the request, the outcome, the SSE stream.
+
+`UpstreamRequest` is what the proxy (router/proxy.py) sends and how the client wants the
+answer shaped; `ProxyOutcome` what happened, for recording; `SSEReader` splits a
+replica's byte stream into events and `StreamState` relays them, taking usage and
+generated token ids and hiding what the gateway asked for on the client's behalf.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from router.suspects import Fingerprint, request_fingerprint
+
+
+@dataclass
+class UpstreamRequest:
+    """What to send upstream and how the client wanted the answer shaped."""
+
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    stream: bool
+    client_wants_usage: bool = True
+    strip_token_ids: bool = False  # the gateway asked for return_token_ids, not the client
+    max_tokens: int | None = None
+    payload: bytes | None = None  # `body` already serialized (off the loop, for long prompts)
+    # replica id -> (predicted prefill seconds, predicted TTFT seconds), for the replica's
+    # outstanding-work account (router/outstanding.py); replicas not named count 0.
+    predicted_work: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    # replica id -> the outstanding-work entry routing reserved there (Route.reserved,
+    # shared): the attempt on that replica takes it over and ends it.
+    reserved: dict[str, int] = field(default_factory=dict)
+    # Identifies the request again (router/suspects.py); None: a hash of the body.
+    fingerprint: Fingerprint | None = None
+
+    def identity(self) -> Fingerprint:
+        """The request's fingerprint, computed from the body when none was given."""
+        if self.fingerprint is None:
+            body = self.payload if self.payload is not None else \
+                json.dumps(self.body, sort_keys=True).encode()
+            self.fingerprint = request_fingerprint({}, 0, body, None)
+        return self.fingerprint
+
+
+@dataclass
+class ProxyOutcome:
+    """What happened to one forwarded request, for recording."""
+
+    replica_id: str | None = None
+    status: int = 0
+    attempts: int = 0
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    output_token_ids: list[int] | None = None
+    completed: bool = False
+    client_disconnected: bool = False
+    error: str | None = None
+    first_byte_at: float | None = None  # time.perf_counter() when the client got a byte
+    failures: list[tuple[str, str]] = field(default_factory=list)  # (replica, reason)
+
+
+class SSEReader:
+    """Splits an upstream byte stream into SSE events (each ending in a blank line)."""
+
+    def __init__(self, content: aiohttp.StreamReader) -> None:
+        self._content = content
+        self._buf = b""
+
+    async def next_event(self) -> bytes | None:
+        """The next raw event including its terminator, or None at a clean end of stream."""
+        while True:
+            for sep in (b"\n\n", b"\r\n\r\n"):
+                pos = self._buf.find(sep)
+                if pos != -1:
+                    event, self._buf = self._buf[: pos + len(sep)], self._buf[pos + len(sep):]
+                    return event
+            chunk = await self._content.readany()
+            if not chunk:
+                if self._buf.strip():
+                    # The connection ended mid-event: not a clean end.
+                    raise aiohttp.ClientPayloadError("upstream closed mid-event")
+                return None
+            self._buf += chunk
+
+
+def event_data(event: bytes) -> bytes:
+    """The concatenated data lines of one SSE event."""
+    lines = [line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:")]
+    return b"\n".join(lines)
+
+
+def has_content(chunk: dict[str, Any]) -> bool:
+    """Whether a streamed chunk carries generated output (not just the role)."""
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta")
+        if delta is not None:
+            if delta.get("content") or delta.get("tool_calls") or delta.get("reasoning") or \
+                    delta.get("reasoning_content"):
+                return True
+        elif choice.get("text"):
+            return True
+        if choice.get("finish_reason") is not None or choice.get("token_ids"):
+            return True
+    return False
+
+
+@dataclass
+class StreamState:
+    """Per-response bookkeeping while relaying chunks."""
+
+    up: UpstreamRequest
+    outcome: ProxyOutcome
+    token_ids: list[int] = field(default_factory=list)
+    saw_token_ids: bool = False
+
+    def take_usage(self, usage: Mapping[str, Any] | None) -> None:
+        if not usage:
+            return
+        self.outcome.prompt_tokens = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")
+        if cached is not None:
+            self.outcome.cached_tokens = int(cached)
+
+    def absorb(self, data: dict[str, Any]) -> bool:
+        """Take usage and generated token ids from a response body or chunk; strip the
+        token ids the gateway asked for on the client's behalf. Whether it changed."""
+        self.take_usage(data.get("usage"))
+        changed = False
+        for choice in data.get("choices") or ():
+            ids = choice.get("token_ids")
+            if ids is not None and choice.get("index", 0) == 0:
+                self.token_ids.extend(int(t) for t in ids)
+                self.saw_token_ids = True
+            if self.up.strip_token_ids and "token_ids" in choice:
+                del choice["token_ids"]
+                changed = True
+            # Completions put the prompt's ids in each choice (chat at the top level).
+            if self.up.strip_token_ids and "prompt_token_ids" in choice:
+                del choice["prompt_token_ids"]
+                changed = True
+        if self.up.strip_token_ids and "prompt_token_ids" in data:
+            del data["prompt_token_ids"]
+            changed = True
+        return changed
+
+    def process(self, event: bytes) -> tuple[bytes | None, bool]:
+        """(bytes to send or None to drop, whether it carries content). Unchanged unless
+        it is the usage chunk the client did not ask for or carries token ids we asked for."""
+        data = event_data(event)
+        if not data or data == b"[DONE]" or not data.startswith(b"{"):
+            return event, False
+        needs_parse = b'"usage"' in data or b'"choices"' in data
+        if not needs_parse:
+            return event, False
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return event, False
+        if not isinstance(chunk, dict):
+            return event, False
+        if "error" in chunk:
+            return event, True
+        content = has_content(chunk)
+        changed = self.absorb(chunk)
+        if not self.up.client_wants_usage and chunk.get("usage"):
+            if not chunk.get("choices"):
+                return None, False  # the usage-only chunk the gateway added
+            chunk["usage"] = None
+            changed = True
+        if changed:
+            return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n", content
+        return event, content
