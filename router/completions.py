@@ -86,9 +86,20 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
         route = await gw.pipeline.route(parsed, served, gw.fleet.now(), tenant.tenant_id,
                                         parsed.cache_salt,
                                         session_key, offload=len(raw) > _OFFLOAD_BODY_BYTES,
-                                        tokenizer=known)
+                                        tokenizer=known, reserve=True)
     except NoReplicasError:
         return json_error(503, "no replica serves this model", "service_unavailable")
+    try:
+        return await _admit_and_forward(gw, request, route, tenant, parsed, served, arrived)
+    finally:
+        # Whatever ended it (a refusal, an error, an answer), no reservation outlives it.
+        route.release(gw.fleet.now())
+
+
+async def _admit_and_forward(gw: Gateway, request: web.Request, route: Route, tenant: Tenant,
+                             parsed: ParsedRequest, served: list[Replica],
+                             arrived: float) -> web.StreamResponse:
+    assert gw.admission is not None
     _check_context_length(gw, parsed, route.prompt.num_tokens)
     await predict_batch(gw, route, served)  # a batch reports its last prompt's cached tokens
     decision = route.decision
@@ -161,6 +172,7 @@ async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: 
                          client_wants_usage=parsed.client_wants_usage, strip_token_ids=strip,
                          max_tokens=parsed.max_tokens,
                          predicted_work=route.decision.predicted_work,
+                         reserved=route.reserved,
                          fingerprint=request_fingerprint(route.prompt.keys,
                                                          route.prompt.num_tokens, parsed.raw,
                                                          route.cache_salt))

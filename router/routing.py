@@ -335,9 +335,20 @@ class Route:
     # The chain entered as pending on the chosen replica (router/pending.py), to drop if
     # the request does not end up served there.
     pending_handle: int | None = None
+    # replica id -> outstanding-work entry reserved at decision (`route(reserve=True)`):
+    # the proxy's attempt there takes it over; `release` ends one never attempted.
+    reserved: dict[str, int] = field(default_factory=dict)
 
     def predicted_for(self, replica_id: str) -> int:
         return self.predicted.get(replica_id, 0)
+
+    def release(self, now: float) -> None:
+        """End the reservations no attempt took over (refused, failed over, never sent)."""
+        by_id = {r.replica_id: r for r in self.candidates}
+        for rid, token in self.reserved.items():
+            if rid in by_id:
+                by_id[rid].work.end(token, now)
+        self.reserved.clear()
 
 
 @dataclass
@@ -360,8 +371,11 @@ class RoutingPipeline:
     async def route(self, parsed: ParsedRequest, replicas: Sequence[Replica], now: float,
                     tenant: str | None, cache_salt: str | None,
                     session_key: str | None = None, offload: bool = True,
-                    tokenizer: Tokenizer | None = None) -> Route:
+                    tokenizer: Tokenizer | None = None, reserve: bool = False) -> Route:
         """Decide where `parsed` goes among `replicas` (all those serving its model).
+
+        `reserve` enters the request in the chosen replica's outstanding work at once
+        (`Route.reserved`): the caller then forwards it, or calls `Route.release`.
 
         `offload` runs tokenize+hash in the executor: it must for long prompts (tens of
         ms at 32k tokens, see benchmarks/bench_gateway.py), and should not for short ones,
@@ -409,11 +423,18 @@ class RoutingPipeline:
         decision = self.policy.decide(request, states)
         by_id = {r.replica_id: r for r in replicas}
         pending_handle = None
+        reserved: dict[str, int] = {}
         chosen = by_id.get(decision.replica_id)
         if self.pending is not None and chosen is not None:
             pending_handle = self.pending.add(
                 parsed.model, chosen.replica_id,
                 prompt.keys.get(chosen.target.hash_config, ()), now)
+        if reserve and chosen is not None:
+            # Enter the request in its replica's outstanding work now, not when the proxy
+            # gets to it: a burst's decisions are made before any of them is forwarded,
+            # and each must see the ones before it (else the whole burst herds).
+            work_s, ttft_s = decision.predicted_work.get(chosen.replica_id, (0.0, 0.0))
+            reserved[chosen.replica_id] = chosen.work.begin(now, work_s, ttft_s, parsed.stream)
         ranked = [by_id[rid] for rid in decision.ranked if rid in by_id]
         if decision.replica_id in by_id and (not ranked or ranked[0].replica_id != decision.replica_id):
             ranked.insert(0, by_id[decision.replica_id])
@@ -425,7 +446,7 @@ class RoutingPipeline:
         return Route(parsed=parsed, prompt=prompt, decision=decision, candidates=ranked,
                      matches=lookup.matches, lookup=lookup,
                      decision_seconds=time.perf_counter() - started, cache_salt=cache_salt,
-                     predicted=predicted, pending_handle=pending_handle)
+                     predicted=predicted, pending_handle=pending_handle, reserved=reserved)
 
 
 def completion_keys(chains: ChainCache, config: HashConfig, prompt_tokens: Sequence[int],

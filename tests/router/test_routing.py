@@ -10,6 +10,7 @@ import os
 import random
 import signal
 import time
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -245,3 +246,26 @@ def test_event_keys_in_c_match_hashing_event_key(width: int) -> None:
     digests = [rng.randbytes(width) for _ in range(50)]
     assert _event_keys(digests) == [event_key(d) for d in digests]
     assert _event_keys([]) == []
+
+
+async def test_a_burst_decided_before_any_is_forwarded_spreads_by_reserved_work() -> None:
+    # Eight cold, distinct 2k-token prompts decided back to back, none forwarded yet:
+    # each decision reserves its prefill on its replica, so the next one sees it.
+    fleet = replicas(4)
+    p = pipeline(MemoryIndex())
+    routes = [await p.route(parse_body(completion([1000 + i] * 2048), "completions"), fleet,
+                            time.monotonic(), tenant="t", cache_salt=None, reserve=True)
+              for i in range(8)]
+    per_replica = Counter(r.decision.replica_id for r in routes)
+    assert sorted(per_replica.values()) == [2, 2, 2, 2]
+    assert all(len(r.work) == 2 for r in fleet)
+    # A request refused or failed over before reaching its replica releases it.
+    now = time.monotonic()
+    for route in routes:
+        route.release(now)
+        route.release(now)  # twice is harmless
+    assert all(len(r.work) == 0 for r in fleet)
+    # Without reserving (the other endpoints), decisions leave no trace.
+    await p.route(parse_body(completion([7] * 2048), "completions"), fleet, time.monotonic(),
+                  tenant="t", cache_salt=None)
+    assert all(len(r.work) == 0 for r in fleet)
