@@ -30,6 +30,11 @@ from typing import Any
 
 from replica.engine import RequestRejected
 
+# One copy of the rules that raise nothing, shared with the gateway (re-exported).
+from router.vllm_rules import COMPLETION_DEFAULT_MAX_TOKENS as COMPLETION_DEFAULT_MAX_TOKENS
+from router.vllm_rules import requested_max_tokens as requested_max_tokens
+from router.vllm_rules import skips_prefix_cache as skips_prefix_cache
+
 # Integer fields of vLLM's request models, in model-definition order (pydantic reports
 # errors in this order).
 COMPLETION_INT_FIELDS = ("logprobs", "max_tokens", "n", "seed", "top_k", "min_tokens",
@@ -44,7 +49,6 @@ CHAT_INT_FIELDS = ("top_logprobs", "max_tokens", "max_completion_tokens", "n", "
 _SAMPLING_DEFAULTS = {"presence_penalty": 0.0, "frequency_penalty": 0.0,
                       "repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0,
                       "min_p": 0.0}
-COMPLETION_DEFAULT_MAX_TOKENS = 16
 _CACHE_SALT_MAX = 128
 _CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
@@ -121,20 +125,6 @@ def non_finite_int_errors(body: dict[str, Any], chat: bool) -> None:
         for name in bad)
     raise RequestRejected(f"{len(bad)} validation {label}:\n{lines}".rstrip(),
                           f"body.{bad[0]}", err_type="Bad Request")
-
-
-def requested_max_tokens(body: dict[str, Any], chat: bool) -> tuple[int | None, str]:
-    """The max_tokens a client asked for and the field that holds it.
-
-    Chat: max_completion_tokens wins over max_tokens; neither means "the rest of the
-    context". Completions: max_tokens, whose default (also for null) is 16.
-    """
-    if chat:
-        if body.get("max_completion_tokens") is not None:
-            return body["max_completion_tokens"], "max_completion_tokens"
-        return body.get("max_tokens"), "max_tokens"
-    value = body.get("max_tokens")
-    return (COMPLETION_DEFAULT_MAX_TOKENS if value is None else value), "max_tokens"
 
 
 def check_max_output_tokens(requested: int | None, param: str, max_model_len: int) -> None:
@@ -222,20 +212,3 @@ def check_sampling(body: dict[str, Any], max_tokens: int) -> None:
     if max_tokens < 1:
         raise validation_error(f"max_tokens must be at least 1, got {max_tokens}.",
                                "max_tokens", max_tokens)
-
-
-def skips_prefix_cache(body: dict[str, Any], chat: bool) -> bool:
-    """Whether vLLM skips reading the prefix cache: whenever prompt logprobs are computed.
-
-    SamplingParams.__post_init__ sets skip_reading_prefix_cache when prompt_logprobs is
-    not None. The request's to_sampling_params sets prompt_logprobs from
-    `prompt_logprobs`, or, with `echo`, from `logprobs` (completions) or `top_logprobs`
-    (chat, where it defaults to 0, so any chat echo skips the cache).
-    """
-    if body.get("prompt_logprobs") is not None:
-        return True
-    if body.get("echo") is not True:
-        return False
-    if chat:
-        return True  # top_logprobs is an int that defaults to 0 (null reads as 0)
-    return body.get("logprobs") is not None
