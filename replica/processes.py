@@ -17,6 +17,7 @@ Only processes the caller started are ever signalled, by their Popen handle.
 from __future__ import annotations
 
 import asyncio
+import random
 import shutil
 import signal
 import socket
@@ -40,10 +41,36 @@ class ProcessExited(RuntimeError):
     """A process exited while something was waiting for it to become ready."""
 
 
+# Ports handed out below the kernel's ephemeral range. A port the kernel picks for
+# bind(0) comes from that range, and so does the local port of every outgoing
+# connection: a server that binds its port a minute later (vLLM's engine binds its KV
+# replay socket only after loading the model) can find it taken by some client's
+# connection meanwhile. Below the range only another listener can take it.
+_PORTS_FROM = 15_000
+_ports = random.Random()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that nothing listens on right now."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
-                       socket.SOCK_STREAM) as s:
+    """A TCP port on `host` that nothing listens on right now, below the ephemeral range
+    (so no outgoing connection takes it before its server binds)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    high = _ephemeral_low() - 1
+    for _ in range(64):
+        port = _ports.randint(_PORTS_FROM, high) if high > _PORTS_FROM else 0
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from replica.fleet import is_healthy
+from replica.processes import free_port
 from replica.vllm_launcher import allowed_cpus
 from router.hashing import HashConfig
 
@@ -44,11 +45,10 @@ def next_cpu_bind() -> str:
 
 
 def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    # Below the ephemeral range: vLLM binds its replay socket a minute after start, and
+    # a port from bind(0) can be taken by an outgoing connection by then (seen in CI:
+    # "Address already in use" from the engine core).
+    return free_port()
 
 
 @dataclass(frozen=True)
