@@ -62,6 +62,9 @@ def vllm_server(tiny_model_dir: Path) -> Iterator[VllmServer]:
     kv_events_endpoint and replay_endpoint ("tcp://127.0.0.1:PORT"), log_path, pid.
     Share it read-mostly: it is one prefix cache for every test using it. For other
     settings, start your own with `start_vllm_server(model_dir, seed=..., ...)`.
+    Tool calls are enabled as deployments serving agents enable them (hermes parser):
+    without those flags vLLM refuses any request that carries tools.
     """
-    with start_vllm_server(tiny_model_dir) as server:
+    tools = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    with start_vllm_server(tiny_model_dir, extra_args=tools) as server:
         yield server
