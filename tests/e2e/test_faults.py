@@ -24,6 +24,7 @@ import aiohttp
 from servers import RedisServer, free_port
 
 from replica.fleet import AsyncSimFleet, is_healthy
+from router.handshake import make_probe
 
 from .conftest import (
     GatewayClient,
@@ -273,7 +274,10 @@ async def test_replica_killed_mid_load_loses_no_request(
         await wait_replica_state(gw, killed, "ejected", 1.0)
 
 
-POISON = 7  # tokens() draws ids from 10 up: no ordinary prompt holds it
+# tokens() draws ids from 10 up and the gateway's hash-handshake probe from 3 up
+# (router/handshake.py make_probe): neither holds 2. With 7 the probe itself killed a
+# sim about one run in ten, before the poisoned request was sent.
+POISON = 2
 
 
 async def test_a_poisoned_request_costs_at_most_one_replica(
@@ -281,6 +285,9 @@ async def test_a_poisoned_request_costs_at_most_one_replica(
         http: aiohttp.ClientSession) -> None:
     # Three sims whose engines die on a prompt holding POISON, as vLLM's EngineCore dies on
     # some inputs: in-flight requests get 500, /health 503, then the process exits.
+    # Neither the load nor the gateway's own handshake probes may hold the poison.
+    assert not any(POISON in make_probe(16).token_ids for _ in range(200))
+    assert not any(POISON in tokens(seed, 200) for seed in range(50))
     async with AsyncSimFleet(3, block_size=16, crash_on_token=POISON) as fleet:
         gw = await start_gateway(gateway_config(fleet.replicas, model=MODEL, port=free_port()))
         warm = Tally()
