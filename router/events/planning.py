@@ -185,25 +185,6 @@ class BatchPlanner:
     def _scope(self, lora_name: str | None) -> str:
         return self.model if not lora_name else f"{self.model}@{lora_name}"
 
-    def _plan(self, batch: EventBatch) -> BatchPlan:
-        """The index calls a batch's events amount to, updating the held-block map."""
-        plan = BatchPlan()
-        for event in batch.events:
-            if isinstance(event, AllBlocksCleared):
-                self._held.clear()
-                self._probe_blocks.clear()
-                plan.ops.append(IndexOp("clear"))
-                plan.applied += 1
-            elif event.medium not in self._media:
-                self.stats.events_ignored += 1
-            elif isinstance(event, BlockStored):
-                if self._plan_stored(event, plan):
-                    plan.applied += 1
-            elif isinstance(event, BlockRemoved):
-                self._plan_removed(event, plan)
-                plan.applied += 1
-        return plan
-
     def _plan_stored(self, event: BlockStored, plan: BatchPlan) -> bool:
         replica_keys = [block_key_int(h) for h in event.block_hashes]
         at_root = event.parent_block_hash is None
