@@ -53,6 +53,7 @@ from loadgen.gateway_under_test import (
     choose_profile,
     gateways,
     overrides_note,
+    policy_variant,
 )
 from loadgen.harness import MODEL_NAME, HarnessError
 from loadgen.oracle import OracleRequest, bounds
@@ -86,7 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--policies", default="round_robin,least_loaded,cache_aware",
                         help=f"comma-separated: {', '.join(POLICIES)}; 'vllm-router:NAME' or "
-                             "'smg:NAME' runs a peer's policy NAME")
+                             "'smg:NAME' runs a peer's policy NAME; NAME@KEY=VALUE[@...] one of "
+                             "ours with policy settings of its own (e.g. "
+                             "cache_aware@work_weight=0), run interleaved with the rest")
     parser.add_argument("--replica-kind", choices=("sim", "vllm"), default="sim",
                         help="vllm: real servers of --model-dir (on CPU the block size must "
                              "be a multiple of 32)")
@@ -157,7 +160,7 @@ def parse_policies(args: argparse.Namespace) -> list[str]:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
         peer, _ = split_policy(p)
-        if peer is None and p not in POLICIES:
+        if peer is None and policy_variant(p)[0] not in POLICIES:
             raise SystemExit(f"compare: unknown policy {p!r}; choose from {', '.join(POLICIES)}"
                              f" or PEER:NAME with PEER one of {', '.join(PEERS)}")
     for peer, flag in ((VLLM_ROUTER, args.vllm_router), (SMG, getattr(args, "smg", "none"))):

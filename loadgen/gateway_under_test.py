@@ -131,6 +131,24 @@ def gateway_config(policy: str, fleet: TargetFleet, port: int, index: str, model
     }
 
 
+def policy_variant(policy: str) -> tuple[str, dict[str, Any]]:
+    """`cache_aware@work_weight=0@hot_cost_s=0.5` -> ("cache_aware", {those keys}).
+
+    A variant is one of our policies with `policy:` keys of its own, so settings can be
+    compared interleaved in one run (the machine's noise moves between runs, not within
+    a round) instead of in separate runs with --policy-set.
+    """
+    name, *pairs = policy.split("@")
+    out: dict[str, Any] = {}
+    for item in pairs:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key or key == "name":
+            raise HarnessError(f"policy variant {policy!r}: want NAME@KEY=VALUE, got {item!r}")
+        out[key] = yaml.safe_load(value)
+    return name, out
+
+
 def config_overrides(args: argparse.Namespace, dest: str = "policy_set") -> dict[str, Any]:
     """--policy-set (or --index-set) KEY=VALUE pairs as a dict, values parsed as YAML."""
     flag = "--" + dest.replace("_", "-")
@@ -184,9 +202,10 @@ def gateways(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfil
     if count > 1 and not index.startswith("redis://"):
         raise HarnessError(f"--gateways {count} needs a Redis index to share (--index redis)")
     configs = []
+    base, variant = policy_variant(policy)
     for i in range(count):
-        config = gateway_config(policy, fleet, free_port(), index, Path(args.model_dir),
-                                args.seed, profile.prefill, config_overrides(args),
+        config = gateway_config(base, fleet, free_port(), index, Path(args.model_dir),
+                                args.seed, profile.prefill, {**config_overrides(args), **variant},
                                 config_overrides(args, "index_set"))
         name = f"{policy}{tag}" + (f"-g{i}" if count > 1 else "")
         path = log_dir / f"gateway-{name}.yaml"

@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from loadgen.compare import add_arguments, parse_policies, round_order, run_comparison, runnable
-from loadgen.gateway_under_test import config_overrides, gateway_config, gateway_prefill
+from loadgen.gateway_under_test import (
+    config_overrides,
+    gateway_config,
+    gateway_prefill,
+    policy_variant,
+)
 from loadgen.harness import HarnessError
 from loadgen.target_fleet import TargetFleet, TargetReplica
 from loadgen.workload_flags import build_workload
@@ -180,6 +185,20 @@ def test_policy_set_overrides_the_gateway_policy() -> None:
     assert cfg["index"] == {"backend": "memory", "deadline_ms": 100}
     with pytest.raises(HarnessError):
         config_overrides(_args("--out", "x", "--index-set", "backend=redis"), "index_set")
+
+
+def test_policy_variants_carry_their_own_settings_and_bad_ones_are_named() -> None:
+    assert policy_variant("cache_aware") == ("cache_aware", {})
+    assert policy_variant("cache_aware@work_weight=0@hot_cost_s=0.5") == (
+        "cache_aware", {"work_weight": 0, "hot_cost_s": 0.5})
+    args = _args("--out", "x", "--policies", "round_robin,cache_aware@work_weight=0",
+                 "--vllm-router", "none", "--smg", "none")
+    assert parse_policies(args) == ["round_robin", "cache_aware@work_weight=0"]
+    with pytest.raises(SystemExit, match="unknown policy 'nope@work_weight=0'"):
+        parse_policies(_args("--out", "x", "--policies", "nope@work_weight=0"))
+    for bad in ("cache_aware@work_weight", "cache_aware@name=random", "cache_aware@=1"):
+        with pytest.raises(HarnessError, match="policy variant"):
+            policy_variant(bad)
 
 
 def test_workload_flags_pick_per_workload_defaults() -> None:
