@@ -9,6 +9,13 @@ lookups take the longer of the index's match and the pending one, and the events
 they arrive, carry on. Dynamo's predicted-TTL indexer and vllm-router's speculative
 entries do the same.
 
+Only what the index did not already hold is remembered: a route's keys past the leading
+run the lookup found on that replica. A conversation's turn resends its whole history,
+but only its last few blocks are new; storing the history again would hold ~10 s of
+every routed prompt (100k+ keys at a few hundred requests a second) to say what the
+index says already. A pending match therefore continues the index's: from the replica's
+indexed run, as far as pending keys go on.
+
 A pending entry is a prediction, not a fact, so it is bounded three ways: it expires
 `ttl_s` after the request was routed, it is dropped when that request fails, and the
 whole store holds at most `capacity_blocks` keys (oldest routes first out). Pure and
@@ -43,7 +50,10 @@ class PendingChains:
         self._next = 0
 
     def add(self, model: str, replica_id: str, keys: Sequence[int], now: float) -> int:
-        """Remember `keys` as pending on the replica; returns a handle for `drop`."""
+        """Remember `keys` as pending on the replica; returns a handle for `drop`.
+
+        `keys` are the chain's blocks past what the replica was already known to hold
+        (see the module docstring)."""
         self._expire(now)
         handle = self._next
         self._next += 1
@@ -65,22 +75,27 @@ class PendingChains:
             self._remove(handle)
 
     def matches(self, model: str, keys: Sequence[int], replica_ids: Iterable[str],
-                now: float) -> dict[str, int]:
-        """Leading blocks of `keys` pending on each replica (replicas with none omitted)."""
+                now: float, known: Mapping[str, int] | None = None) -> dict[str, int]:
+        """Leading blocks of `keys` on each replica counting pending ones: from the
+        replica's `known` (indexed) run, as far as pending keys continue it. Replicas
+        where pending keys add nothing are omitted."""
         self._expire(now)
         out: dict[str, int] = {}
         for rid in replica_ids:
             held = self._held.get((model, rid))
             if not held:
                 continue
-            n = 0
-            for k in keys:
-                if k not in held:
-                    break
+            start = n = (known or {}).get(rid, 0)
+            while n < len(keys) and keys[n] in held:
                 n += 1
-            if n:
+            if n > start:
                 out[rid] = n
         return out
+
+    @property
+    def blocks(self) -> int:
+        """Pending block keys held (what capacity_blocks bounds)."""
+        return self._blocks
 
     def __len__(self) -> int:
         return len(self._routes)

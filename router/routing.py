@@ -409,7 +409,7 @@ class RoutingPipeline:
             # Prefixes routed moments ago whose replica has not announced them yet.
             for config, chain in readable.items():
                 matches = merge_matches(matches, self.pending.matches(
-                    parsed.model, chain, members.get(config, ()), now))
+                    parsed.model, chain, members.get(config, ()), now, lookup.matches))
         # A replica with little traffic yet borrows its fleet's learned TTFT bias.
         views = {r.replica_id: r.work.view(now) for r in replicas}
         prior = fleet_bias(views.values())
@@ -426,9 +426,12 @@ class RoutingPipeline:
         reserved: dict[str, int] = {}
         chosen = by_id.get(decision.replica_id)
         if self.pending is not None and chosen is not None:
+            # Only the blocks past what the replica is known (or pending) to hold: the
+            # rest is already where a lookup finds it.
+            known = matches.get(chosen.replica_id, 0)
             pending_handle = self.pending.add(
                 parsed.model, chosen.replica_id,
-                prompt.keys.get(chosen.target.hash_config, ()), now)
+                prompt.keys.get(chosen.target.hash_config, ())[known:], now)
         if reserve and chosen is not None:
             # Enter the request in its replica's outstanding work now, not when the proxy
             # gets to it: a burst's decisions are made before any of them is forwarded,

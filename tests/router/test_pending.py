@@ -14,6 +14,20 @@ def test_a_routed_chain_matches_its_leading_run_on_that_replica_only() -> None:
     assert pending.matches("other-model", [1, 2], ["r0"], now=1.0) == {}
 
 
+def test_pending_keys_continue_the_indexed_run_of_their_replica() -> None:
+    # The index knows r0 holds blocks 1, 2; the gateway routed 3, 4 (only the new tail).
+    pending = PendingChains(ttl_s=10.0)
+    pending.add("m", "r0", [3, 4], now=0.0)
+    assert pending.blocks == 2
+    chain = [1, 2, 3, 4, 5]
+    assert pending.matches("m", chain, ["r0", "r1"], now=1.0, known={"r0": 2}) == {"r0": 4}
+    # Without the indexed prefix the tail is not a leading run: nothing to add.
+    assert pending.matches("m", chain, ["r0"], now=1.0) == {}
+    assert pending.matches("m", chain, ["r0"], now=1.0, known={"r0": 1}) == {}
+    # Another replica's indexed run is not continued by r0's pending keys.
+    assert pending.matches("m", chain, ["r1"], now=1.0, known={"r1": 2}) == {}
+
+
 def test_entries_expire_after_the_ttl() -> None:
     pending = PendingChains(ttl_s=2.0)
     pending.add("m", "r0", [1, 2], now=0.0)

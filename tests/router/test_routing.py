@@ -18,6 +18,7 @@ import pytest
 from router.config import LimitsConfig, TenantsConfig
 from router.hashing import HashConfig, chain_hashes, event_key
 from router.index import MemoryIndex, RedisIndex
+from router.pending import PendingChains
 from router.policy.pipeline import build_policy
 from router.policy.types import PolicyConfig
 from router.replicas import Replica, ReplicaSource
@@ -269,3 +270,27 @@ async def test_a_burst_decided_before_any_is_forwarded_spreads_by_reserved_work(
     await p.route(parse_body(completion([7] * 2048), "completions"), fleet, time.monotonic(),
                   tenant="t", cache_salt=None)
     assert all(len(r.work) == 0 for r in fleet)
+
+
+async def test_followers_find_a_just_routed_turn_as_index_run_plus_pending_tail() -> None:
+    # r1 is indexed with a conversation's first 6 blocks. Its next turn (10 blocks) goes
+    # there; before r1's events announce blocks 6-9, the turn after sees all 10 on r1,
+    # and the pending store holds only the 4 new blocks, not the whole history.
+    index = MemoryIndex()
+    fleet = replicas(3)
+    p = RoutingPipeline(tokenizers={}, chains=ChainCache(), index=index,
+                        policy=build_policy(PolicyConfig(seed=1, tolerance=0.0)),
+                        index_deadline_s=1.0, pending=PendingChains(ttl_s=10.0))
+    history = list(range(16 * 10 + 5))
+    keys = [event_key(d) for d in chain_hashes(CONFIG, history, cache_salt=None)]
+    await index.add("m", "r1", keys[:6])
+    turn = await p.route(parse_body(completion(history), "completions"), fleet,
+                         time.monotonic(), tenant="t", cache_salt=None)
+    assert turn.decision.replica_id == "r1" and turn.matches == {"r1": 6}
+    assert p.pending is not None and p.pending.blocks == 4
+    follower = await p.route(parse_body(completion([*history, 7, 7, 7]), "completions"), fleet,
+                             time.monotonic(), tenant="t", cache_salt=None)
+    # The index still says 6; the decision counted the pending tail as well.
+    assert follower.matches == {"r1": 6} and follower.decision.replica_id == "r1"
+    assert follower.decision.predicted_cached["r1"] == 10 * 16
+    assert p.pending.blocks == 4  # nothing new to remember: all 10 already known
