@@ -60,6 +60,10 @@ class Window:
     latencies: list[float] = field(default_factory=list)
     errors: int = 0
     rss_mb: float = 0.0
+    # The gateway's bounded structures at the window's end (cacheroute_bounded_entries):
+    # RSS that grows while these fill is the caches filling; RSS that grows with these
+    # flat at their caps is a leak.
+    bounded: dict[str, float] = field(default_factory=dict)
 
     @property
     def requests(self) -> int:
@@ -174,6 +178,17 @@ async def one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
     return finished, ids
 
 
+async def bounded_entries(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """The gateway's cacheroute_bounded_entries gauges, by structure."""
+    async with session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith('cacheroute_bounded_entries{structure="'):
+            out[line.split('"')[1]] = float(line.split()[-1])
+    return out
+
+
 async def soak(url: str, gateway: psutil.Process, duration: float, window_s: float,
                clients: int, seed: int) -> tuple[list[Window], float, float]:
     workload = Workload(random.Random(seed))
@@ -181,10 +196,21 @@ async def soak(url: str, gateway: psutil.Process, duration: float, window_s: flo
     windows = [Window(0.0)]
     rss_start = gateway.memory_info().rss / 2**20
 
-    def current() -> Window:
+    scrapes: set[asyncio.Task[None]] = set()
+
+    async def scrape(window: Window, session: aiohttp.ClientSession) -> None:
+        window.bounded = await bounded_entries(session, url)
+
+    def close(window: Window, session: aiohttp.ClientSession) -> None:
+        window.rss_mb = gateway.memory_info().rss / 2**20
+        task = asyncio.ensure_future(scrape(window, session))
+        scrapes.add(task)
+        task.add_done_callback(scrapes.discard)
+
+    def current(session: aiohttp.ClientSession) -> Window:
         index = int((time.monotonic() - started) // window_s)
         while len(windows) <= index:
-            windows[-1].rss_mb = gateway.memory_info().rss / 2**20
+            close(windows[-1], session)
             windows.append(Window(len(windows) * window_s))
         return windows[index]
 
@@ -196,7 +222,7 @@ async def soak(url: str, gateway: psutil.Process, duration: float, window_s: flo
                 ok, output = await one(session, url, body)
             except (aiohttp.ClientError, TimeoutError):
                 ok, output = False, []
-            window = current()
+            window = current(session)
             if ok:
                 window.latencies.append(time.perf_counter() - t0)
                 workload.answered(c, output)
@@ -207,13 +233,15 @@ async def soak(url: str, gateway: psutil.Process, duration: float, window_s: flo
     async with aiohttp.ClientSession(timeout=timeout,
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         await asyncio.gather(*(client(session) for _ in range(clients)))
-    windows[-1].rss_mb = gateway.memory_info().rss / 2**20
+        close(windows[-1], session)
+        await asyncio.gather(*scrapes)
     # A last window shorter than a quarter of the others is folded into its predecessor.
     if len(windows) > 1 and duration - windows[-1].start < window_s / 4:
         last = windows.pop()
         windows[-1].latencies += last.latencies
         windows[-1].errors += last.errors
         windows[-1].rss_mb = last.rss_mb
+        windows[-1].bounded = last.bounded
     return windows, rss_start, windows[-1].rss_mb
 
 
@@ -246,13 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     errors = sum(w.errors for w in windows)
     print(f"soak: {args.duration:.0f} s, {args.clients} clients, {args.replicas} sim replicas "
           f"(unit profile x20), cacheroute gateway process")
+    structures = sorted({k for w in windows for k in w.bounded})
     print(f"{'window':>10} {'requests':>9} {'req/s':>7} {'errors':>7} {'p50 ms':>8} "
-          f"{'p99 ms':>8} {'RSS MB':>8}")
+          f"{'p99 ms':>8} {'RSS MB':>8} " + " ".join(f"{k:>11}" for k in structures))
     for w in windows:
         span = min(args.window, args.duration - w.start) or args.window
         print(f"{w.start:>4.0f}-{w.start + span:<4.0f}s {w.requests:>9} {w.requests / span:>7.1f} "
               f"{w.errors:>7} {pct(w.latencies, 0.5) * 1000:>8.1f} "
-              f"{pct(w.latencies, 0.99) * 1000:>8.1f} {w.rss_mb:>8.1f}")
+              f"{pct(w.latencies, 0.99) * 1000:>8.1f} {w.rss_mb:>8.1f} "
+              + " ".join(f"{w.bounded.get(k, float('nan')):>11.0f}" for k in structures))
     all_latencies = [x for w in windows for x in w.latencies]
     print(f"total: {total} requests, {errors} errors (error rate {errors / max(1, total):.4%}), "
           f"p50 {pct(all_latencies, 0.5) * 1000:.1f} ms, p99 {pct(all_latencies, 0.99) * 1000:.1f} "
@@ -260,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gateway RSS: start {rss_start:.1f} MB, end {rss_end:.1f} MB "
           f"({rss_end - rss_start:+.1f} MB); last half's slope {rss_slope(windows, args.window):+.2f} "
           "MB/min")
+    print("columns after RSS: entries of the gateway's bounded structures at each window's end "
+          "(cacheroute_bounded_entries): RSS should stop growing once they stop growing")
     return 1 if errors else 0
 
 

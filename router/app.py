@@ -45,7 +45,14 @@ from router.handlers import (
     request_context,
 )
 from router.index import IndexUnavailable, MemoryIndex, RedisIndex
-from router.metrics import GatewayMetrics, ReplicaGauges, StreamGauges, fleet_families
+from router.metrics import (
+    Bounded,
+    GatewayMetrics,
+    ReplicaGauges,
+    StreamGauges,
+    bounded_families,
+    fleet_families,
+)
 from router.pending import PendingChains
 from router.policy.pipeline import build_policy
 from router.proxy import Forwarder
@@ -262,7 +269,23 @@ def _fleet_gauges(gw: Gateway) -> Iterable[Metric]:
     streams = {} if gw.indexer is None else {
         rid: StreamGauges(s.lag_s(), s.gaps, s.restarts, s.index_errors, s.decode_errors)
         for rid, s in gw.indexer.stats().items()}
-    return fleet_families(replicas, streams)
+    return [*fleet_families(replicas, streams), *bounded_families(_bounded(gw))]
+
+
+def _bounded(gw: Gateway) -> list[Bounded]:
+    out: list[Bounded] = []
+    if gw.pipeline is not None:
+        chains = gw.pipeline.chains
+        out.append(Bounded("chain_cache", chains.blocks, chains.capacity_blocks))
+        if gw.pipeline.pending is not None:
+            pending = gw.pipeline.pending
+            out.append(Bounded("pending", pending.blocks, pending.capacity_blocks))
+    if isinstance(gw.index, MemoryIndex):
+        out.append(Bounded("index", gw.index.blocks, None))
+    if gw.forwarder is not None:
+        suspects = gw.forwarder.suspects
+        out.append(Bounded("suspects", len(suspects), suspects.capacity))
+    return out
 
 
 def build_app(config: GatewayConfig, *, tenants: TenantRegistry | None = None,

@@ -99,6 +99,32 @@ def fleet_families(replicas: Iterable[ReplicaGauges],
     return families
 
 
+@dataclass(frozen=True)
+class Bounded:
+    """One of the gateway's bounded in-memory structures: how full it is."""
+
+    structure: str
+    entries: int
+    capacity: int | None  # None: bounded by something else (the replicas' caches, a TTL)
+
+
+def bounded_families(structures: Iterable[Bounded]) -> list[Metric]:
+    """Sizes of what holds the gateway's memory, so 'full' and 'leaking' can be told apart."""
+    entries = GaugeMetricFamily(
+        "cacheroute_bounded_entries",
+        "Entries held by a bounded in-memory structure (chain_cache and pending: blocks; "
+        "index: (replica, block) entries of the in-memory index; suspects: fingerprints).",
+        labels=["structure"])
+    capacity = GaugeMetricFamily("cacheroute_bounded_capacity",
+                                 "The entry limit of a bounded in-memory structure.",
+                                 labels=["structure"])
+    for b in structures:
+        entries.add_metric([b.structure], b.entries)
+        if b.capacity is not None:
+            capacity.add_metric([b.structure], b.capacity)
+    return [entries, capacity]
+
+
 class GatewayMetrics:
     """One gateway's collectors, in its own registry."""
 

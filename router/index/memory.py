@@ -48,6 +48,11 @@ class MemoryIndex:
         self._holed: set[tuple[str, str]] = set()
         self._probes = MemoryProbes(clock)
 
+    @property
+    def blocks(self) -> int:
+        """(model, replica, key) entries held: what capacity_blocks bounds per replica."""
+        return sum(len(lru) for lru in self._lru.values())
+
     async def lookup(
         self, model: str, keys: Sequence[int], *, deadline_s: float | None = None
     ) -> dict[str, int]:

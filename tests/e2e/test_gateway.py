@@ -134,6 +134,16 @@ async def test_predicted_cached_tokens_equal_reported_with_kv_events(start_gatew
         _, text = await gw.get("/metrics")
         assert "cacheroute_cached_tokens_total" in text
         assert "cacheroute_prediction_mismatches_total{" not in text
+        # What holds the gateway's memory is visible: the chain cache remembers one
+        # fingerprint per distinct block prefix hashed (12 + 3 + 6 + 5: prompts 4 and 6
+        # are prefixes of chains it already holds), the index at least those blocks.
+        bounded = {line.split("}")[0].split('"')[1]: float(line.split()[-1])
+                   for line in text.splitlines() if line.startswith("cacheroute_bounded_")
+                   and line.split("{")[0] == "cacheroute_bounded_entries"}
+        assert bounded["chain_cache"] == 26
+        assert bounded["index"] >= 26
+        assert 'cacheroute_bounded_capacity{structure="chain_cache"} 500000.0' in text
+        assert set(bounded) == {"chain_cache", "pending", "index", "suspects"}
 
 
 async def test_tenants_with_different_salts_never_share(start_gateway: Any) -> None:
