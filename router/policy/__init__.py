@@ -13,9 +13,11 @@ replica best first. cache_aware minimises the predicted time to first token:
              + saturation_cost_s * max(0, load - capacity)
              + kv_cost_s * max(0, kv_usage - kv_threshold) / (1 - kv_threshold)
     hot      = hot_cost_s * max(0, load - (hot_ratio * mean_load + hot_slack))
-    ttft     = queue + hot + prefill;   score = best ttft / ttft in (0, 1]
+    ttft     = queue + hot + prefill
+    score    = 1 / (1 + (cost - best cost) / its cold prefill)   in (0, 1]
 
-and samples, weighted by score, among replicas within `tolerance` of the best cost.
+and samples, weighted by score, among replicas within `tolerance` x its own cold
+prefill of the best cost.
 router/policy/cost.py and docs/POLICY.md give the reasons for each term.
 """
 

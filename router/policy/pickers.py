@@ -62,11 +62,12 @@ class RoundRobinPicker:
 class ToleranceSampler:
     """Sample, weighted by score, among replicas within `tolerance` of the best.
 
-    With a ratio score (best cost / cost), score >= best / (1 + tolerance) means "cost
-    within tolerance of the best". Always taking the single best would herd: gateways
+    With the ttft score (1 / (1 + excess cost / the request's cold prefill)), score >=
+    best / (1 + tolerance) means "cost within tolerance x its own cold prefill of the
+    best". Always taking the single best would herd: gateways
     deciding in the same instant from the same snapshot all pick the same replica, and it
     overloads before any scrape shows it. Sampling among near-equals spreads them at a
-    bounded price (at most `tolerance` worse predicted cost).
+    bounded price (at most `tolerance` of one prefill of predicted cost).
     """
 
     def __init__(self, tolerance: float) -> None:

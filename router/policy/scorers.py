@@ -35,17 +35,30 @@ class Scorer(Protocol):
 
 
 class TtftScorer:
-    """best cost / this replica's (predicted TTFT plus the delay its prefill adds for the
-    requests queued behind it): 1 for the best, 1/(1+x) for x dearer."""
+    """1 for the cheapest replica (predicted TTFT plus the delay its prefill adds for the
+    requests queued behind it), 1/(1+x) for one whose cost exceeds it by x times this
+    request's own cold prefill.
+
+    The unit is the request's cold prefill (its largest predicted prefill over the
+    candidates), not the best cost: what herding costs is one more prefill in a queue,
+    and what a cache hit saves is a share of that prefill. Measured against the best
+    cost instead, "within 10%" grows with the queue: on a fleet backed up by 4 s, a
+    replica holding the prompt (4.05 s) and a cold one (4.45 s) looked near-equal and
+    were sampled alike, spending cold prefills, and so capacity, exactly when the fleet
+    had none to spare.
+    """
 
     name = "ttft"
 
     def score(self, candidates: Candidates) -> dict[str, float]:
         costs = {rid: e.cost_s for rid, e in candidates.estimates.items()}
         best = min(costs.values())
-        # A ratio rather than a min-max range: two replicas 1 ms apart on a 1 s prediction
-        # are near-equal, and the picker's tolerance reads as "within x% of the best".
-        return {rid: (best / c if c > 0 else 1.0) for rid, c in costs.items()}
+        unit = max(e.prefill_s for e in candidates.estimates.values())
+        if unit <= 0:
+            unit = best
+        if unit <= 0:
+            return dict.fromkeys(costs, 1.0)
+        return {rid: 1.0 / (1.0 + (c - best) / unit) for rid, c in costs.items()}
 
 
 class PrefixScorer:

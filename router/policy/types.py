@@ -48,8 +48,8 @@ class PolicyConfig:
     shares ceil(n / budget) steps with every decoding sequence), saturation_cost_s per request beyond a replica's
     capacity (saturation_load when the replica states none), kv_cost_s at full KV usage
     above kv_threshold, hot_cost_s per request above hot_ratio * fleet mean + hot_slack.
-    `tolerance` is the relative cost slack within which cache_aware samples replicas
-    instead of always taking the single best (several gateways deciding at once would
+    `tolerance` is the cost slack, in units of the request's own cold prefill, within
+    which cache_aware samples replicas instead of always taking the single best (several gateways deciding at once would
     otherwise herd onto one replica). `pending_ttl_s` is how long a routed chain counts as
     cached on its replica before that replica's KV events confirm it (router/pending.py;
     0 turns it off). `work_weight` scales what a request's own prefill costs the requests
