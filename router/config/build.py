@@ -301,6 +301,7 @@ def _policy(s: _Section) -> PolicyConfig:
         tolerance=s.get("tolerance", _nonneg_number, d.tolerance),
         pending_ttl_s=s.get("pending_ttl_s", _nonneg_number, d.pending_ttl_s),
         work_weight=s.get("work_weight", _nonneg_number, d.work_weight),
+        work_relative=s.get("work_relative", _bool, d.work_relative),
     )
     if out.kv_threshold >= 1.0:
         raise ConfigError(s.sub("kv_threshold"), f"must be below 1.0, got {out.kv_threshold!r}")

@@ -31,7 +31,9 @@ by a constant factor is corrected from the replica's own answers.
 
 What cache_aware minimises is that TTFT plus the delay its prefill adds for others:
 
-    cost      = ttft + work_weight * waiting * bias * (prefill - base_s)
+    cost      = ttft + work_weight * waiting * bias * max(0, work - least_work)
+    work      = prefill - base_s               # (unbiased) what it adds to the queue there
+    least_work = min over the candidates of work   # where its best cache match is
     waiting   = pending + external_waiting     # requests waiting for their prefill there
 
 Every second of prefill a replica spends on this request delays each request that queues
@@ -40,6 +42,12 @@ replica delays no one by taking a cold prefill, so an idle fleet scores by TTFT 
 on a backed-up one a cache hit (little prefill) is worth more than its own TTFT says,
 because recomputing a cold prefix there costs everyone queued after it. A hot replica's
 growing queue also makes it dearer for everything, so a popular prefix still spreads.
+
+Only the work above the least it could cost anywhere is charged (`work_relative`): a
+prompt cold everywhere costs the same prefill wherever it goes, so sending it to a
+shorter line saves no one anything, and charging its whole prefill per waiting request
+sent every long prompt to the fewest-waiting replica rather than the soonest one, which
+made the long prompts' first tokens the tail of a trace with nothing to cache.
 
 The hot term is the guard against hot-spotting. A popular prefix keeps landing on the one
 replica holding it until that replica's queue costs more than a whole cold prefill; well
@@ -99,8 +107,19 @@ def mean_load(replicas: Sequence[ReplicaState]) -> float:
     return sum(r.load for r in replicas) / len(replicas) if replicas else 0.0
 
 
+def least_work(request: RoutingRequest, replicas: Sequence[ReplicaState],
+               config: PolicyConfig) -> float:
+    """The least prefill work `request` could add anywhere among `replicas` (its best
+    cache match's): the baseline the delay to others is charged above."""
+    works = [max(0.0, (r.profile or config.prefill).seconds(
+        max(request.num_prompt_tokens - cached_tokens(request, r), 0), request.num_prompt_tokens)
+        - (r.profile or config.prefill).base_s) for r in replicas]
+    return min(works, default=0.0)
+
+
 def estimate_ttft(
-    request: RoutingRequest, replica: ReplicaState, fleet_mean_load: float, config: PolicyConfig
+    request: RoutingRequest, replica: ReplicaState, fleet_mean_load: float, config: PolicyConfig,
+    least_work_s: float = 0.0,
 ) -> TtftEstimate:
     """Predicted TTFT of `request` on `replica` (see the module docstring for the formula)."""
     cached = cached_tokens(request, replica)
@@ -137,5 +156,5 @@ def estimate_ttft(
     # The requests waiting there now stand for those that will queue behind this one:
     # an idle replica delays no one by taking a cold prefill, a backed-up one does.
     waiting_there = replica.pending + replica.external_waiting
-    delay_s = config.work_weight * waiting_there * bias * queued_work_s
+    delay_s = config.work_weight * waiting_there * bias * max(0.0, queued_work_s - least_work_s)
     return TtftEstimate(cached, queue_s, hot_s, prefill_s, queued_work_s, delay_s)

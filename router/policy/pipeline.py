@@ -23,7 +23,7 @@ import random
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
-from router.policy.cost import estimate_ttft, mean_load
+from router.policy.cost import estimate_ttft, least_work, mean_load
 from router.policy.filters import DEFAULT_FILTERS, Filter, apply_filters
 from router.policy.pickers import (
     BestPicker,
@@ -83,8 +83,10 @@ class Policy:
             raise ValueError(f"replica ids must be unique, got {sorted(ids)}")
         eligible, relaxed = apply_filters(self.filters, request, replicas)
         fleet_mean = mean_load(eligible)
+        least = least_work(request, eligible, self.config) if self.config.work_relative else 0.0
         estimates = {
-            r.replica_id: estimate_ttft(request, r, fleet_mean, self.config) for r in eligible
+            r.replica_id: estimate_ttft(request, r, fleet_mean, self.config, least)
+            for r in eligible
         }
         candidates = Candidates(request, tuple(eligible), MappingProxyType(estimates))
         scores = combine(self.scorers, candidates)

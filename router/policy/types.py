@@ -53,7 +53,9 @@ class PolicyConfig:
     otherwise herd onto one replica). `pending_ttl_s` is how long a routed chain counts as
     cached on its replica before that replica's KV events confirm it (router/pending.py;
     0 turns it off). `work_weight` scales what a request's own prefill costs the requests
-    queued behind it (see router/policy/cost.py; 0 scores by its own TTFT alone).
+    queued behind it (see router/policy/cost.py; 0 scores by its own TTFT alone);
+    `work_relative` charges only the prefill above the least it could cost on any
+    candidate (False: all of it, the first version).
     `weights` overrides the policy's scorer weights by
     scorer name.
     """
@@ -74,6 +76,7 @@ class PolicyConfig:
     tolerance: float = 0.1
     pending_ttl_s: float = 10.0
     work_weight: float = 1.0
+    work_relative: bool = True
 
 
 @dataclass(frozen=True)
