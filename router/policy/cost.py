@@ -43,11 +43,12 @@ on a backed-up one a cache hit (little prefill) is worth more than its own TTFT 
 because recomputing a cold prefix there costs everyone queued after it. A hot replica's
 growing queue also makes it dearer for everything, so a popular prefix still spreads.
 
-Only the work above the least it could cost anywhere is charged (`work_relative`): a
-prompt cold everywhere costs the same prefill wherever it goes, so sending it to a
-shorter line saves no one anything, and charging its whole prefill per waiting request
-sent every long prompt to the fewest-waiting replica rather than the soonest one, which
-made the long prompts' first tokens the tail of a trace with nothing to cache.
+With `work_relative` only the work above the least it could cost anywhere is charged
+(`least_work`, else 0): a prompt cold everywhere then goes where its first token comes
+soonest instead of to the fewest-waiting replica. Measured, it did not pay (docs/POLICY.md):
+charging the whole prefill sends long cold prompts to short lines and keeps the many
+short ones quicker, and the long ones' tail did not measurably grow. So it is off by
+default.
 
 The hot term is the guard against hot-spotting. A popular prefix keeps landing on the one
 replica holding it until that replica's queue costs more than a whole cold prefill; well

@@ -55,7 +55,7 @@ class PolicyConfig:
     0 turns it off). `work_weight` scales what a request's own prefill costs the requests
     queued behind it (see router/policy/cost.py; 0 scores by its own TTFT alone);
     `work_relative` charges only the prefill above the least it could cost on any
-    candidate (False: all of it, the first version).
+    candidate (False, the default: all of it; see docs/POLICY.md for the measurement).
     `weights` overrides the policy's scorer weights by
     scorer name.
     """
@@ -76,7 +76,7 @@ class PolicyConfig:
     tolerance: float = 0.1
     pending_ttl_s: float = 10.0
     work_weight: float = 1.0
-    work_relative: bool = True
+    work_relative: bool = False
 
 
 @dataclass(frozen=True)

@@ -483,8 +483,8 @@ def test_an_idle_replica_takes_a_cold_prefill_without_a_penalty() -> None:
 
 
 def test_delay_to_others_is_charged_only_above_the_least_work_it_could_cost() -> None:
-    # A long cold prompt, cold everywhere: it costs the same prefill wherever it goes, so
-    # no choice saves anyone anything, and it goes where its first token comes soonest
+    # work_relative: a long cold prompt, cold everywhere, costs the same prefill wherever
+    # it goes, so no choice saves anyone anything, and it goes where its first token comes soonest
     # (r1: four small requests, 0.15 s, queued) even though more requests wait there than
     # at r0 (one request, 0.2 s). Charging its whole prefill per waiting request sent
     # every long prompt to the shortest line, not the soonest: the long prompts' TTFT
@@ -492,9 +492,10 @@ def test_delay_to_others_is_charged_only_above_the_least_work_it_could_cost() ->
     long_prompt = request(8000)
     r0 = ReplicaState("r0", block_size=16, pending=1, queued_prefill_s=0.2)
     r1 = ReplicaState("r1", block_size=16, pending=4, queued_prefill_s=0.15)
-    d = policy(tolerance=0.0).decide(long_prompt, [r0, r1])
+    d = policy(tolerance=0.0, work_relative=True).decide(long_prompt, [r0, r1])
     assert d.replica_id == "r1" and d.costs["r1"] < d.costs["r0"]
-    absolute = policy(tolerance=0.0, work_relative=False).decide(long_prompt, [r0, r1])
+    # The default charges the whole prefill per waiting request: the shorter line wins.
+    absolute = policy(tolerance=0.0).decide(long_prompt, [r0, r1])
     assert absolute.replica_id == "r0"
     # Where a replica holds the prompt the others are charged the work they add above it.
     config = PolicyConfig()
@@ -503,4 +504,4 @@ def test_delay_to_others_is_charged_only_above_the_least_work_it_could_cost() ->
     est = estimate_ttft(long_prompt, r1, 0.0, config, least)
     cold = config.prefill.seconds(8000, 8000) - config.prefill.base_s
     assert est.delay_to_others_s == pytest.approx(4 * (cold - least))
-    assert policy(tolerance=0.0).decide(long_prompt, [hit, r1]).replica_id == "r0"
+    assert policy(tolerance=0.0, work_relative=True).decide(long_prompt, [hit, r1]).replica_id == "r0"
