@@ -18,3 +18,9 @@ def test_free_ports_are_below_the_ephemeral_range_and_bindable() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
 
+
+
+def test_free_port_never_hands_out_one_port_twice_before_servers_bind() -> None:
+    # A 32-sim fleet picks ~100 ports before any of its servers binds one: none repeats.
+    ports = [free_port() for _ in range(400)]
+    assert len(set(ports)) == len(ports)
