@@ -300,7 +300,11 @@ def snapshot(replica: Replica, matched_blocks: int, now: float,
     external_running, external_waiting = replica.external()
     return ReplicaState(
         replica_id=replica.replica_id, healthy=replica.healthy and not replica.removed,
-        verified=replica.verified, inflight=replica.inflight, running=running,
+        # Requests routed here but not yet attempted (a burst's decisions all precede
+        # its forwarding) count as in flight already: else a burst of one hot prefix
+        # all sees the holder idle and the hot-spot guard never fires.
+        verified=replica.verified, inflight=max(replica.inflight, work.pending + work.decoding),
+        running=running,
         waiting=waiting, kv_usage=replica.kv_usage, matched_blocks=matched_blocks,
         block_size=t.hash_config.block_size, profile=t.prefill,
         models=frozenset(t.models) if t.models else None, ejected=replica.ejected(now),

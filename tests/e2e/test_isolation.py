@@ -169,5 +169,9 @@ async def test_a_flood_of_one_prefix_does_not_pin_every_request_on_one_replica(
         assert all(r.status == 200 for r in flood)
         placed = Counter(r.replica for r in flood)
         print(f"\nflood of one prefix over 3 replicas: {dict(placed)}")
-        # The holder takes a share, the hot-spot guard sends the rest elsewhere.
-        assert len(placed) >= 2 and max(placed.values()) <= 0.75 * len(flood), placed
+        # The holder takes most (a hit costs it little, a copy elsewhere a 9,000-token
+        # prefill), the hot-spot guard sends some elsewhere. How many depends on how the
+        # decisions interleave with forwarding: 30 / 11 / 7 when they interleave, 44 / 2 / 2
+        # when all 48 are decided before any is forwarded (reservations count as load:
+        # before they did, that case pinned all 48 on the holder).
+        assert len(placed) >= 2 and max(placed.values()) < len(flood), placed

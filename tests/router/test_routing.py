@@ -294,3 +294,24 @@ async def test_followers_find_a_just_routed_turn_as_index_run_plus_pending_tail(
     assert follower.matches == {"r1": 6} and follower.decision.replica_id == "r1"
     assert follower.decision.predicted_cached["r1"] == 10 * 16
     assert p.pending.blocks == 4  # nothing new to remember: all 10 already known
+
+
+async def test_a_burst_of_one_hot_prefix_decided_before_forwarding_still_spreads() -> None:
+    # 24 requests over one cached prefix, all decided before any is forwarded (the
+    # proxy's in-flight count is still 0 everywhere): each reservation counts as load,
+    # so the hot-spot guard sends part of the burst elsewhere instead of pinning it all
+    # on the holder.
+    index = MemoryIndex()
+    fleet = replicas(3)
+    hot = list(range(2000))
+    keys = [event_key(d) for d in chain_hashes(CONFIG, hot, cache_salt=None)]
+    await index.add("m", "r0", keys)
+    p = pipeline(index)
+    routes = [await p.route(parse_body(completion([*hot, 5000 + i, 6000 + i]), "completions"),
+                            fleet, time.monotonic(), tenant="t", cache_salt=None, reserve=True)
+              for i in range(24)]
+    placed = Counter(r.decision.replica_id for r in routes)
+    # Without the reservations counted as load: r0 24 of 24. With them: 20 / 2 / 2 (a hit
+    # costs the holder little; each cold copy a 2,000-token prefill, and the copies' own
+    # queues then weigh against more).
+    assert placed["r0"] >= 6 and len(placed) >= 2 and placed["r0"] < 24, placed
