@@ -57,7 +57,9 @@ def test_an_async_test_that_blocks_its_loop_fails(tmp_path: Path) -> None:
         "import asyncio, time\n\n"
         "async def test_blocks():\n"
         "    await asyncio.sleep(0.01)\n"
-        "    time.sleep(0.5)\n\n"
+        # 1 s, not 0.5: the watchdog pings every threshold/4 (0.1 s), so a block must
+        # outlast threshold + one interval to be seen for certain; 0.5 s sat on the edge.
+        "    time.sleep(1.0)\n\n"
         "async def test_does_not_block():\n"
         "    await asyncio.sleep(0.3)\n")
     (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_mode = auto\n"
@@ -70,4 +72,4 @@ def test_an_async_test_that_blocks_its_loop_fails(tmp_path: Path) -> None:
     assert proc.returncode == 1, out
     assert "1 failed, 1 passed" in out, out
     assert "the event loop was blocked 1 time(s) for more than 400 ms" in out
-    assert "time.sleep(0.5)" in out and "test_blocks" in out
+    assert "time.sleep(1.0)" in out and "test_blocks" in out
