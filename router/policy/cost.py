@@ -108,14 +108,20 @@ def mean_load(replicas: Sequence[ReplicaState]) -> float:
     return sum(r.load for r in replicas) / len(replicas) if replicas else 0.0
 
 
+def queued_work(request: RoutingRequest, replica: ReplicaState, config: PolicyConfig) -> float:
+    """What `request` adds to the replica's queue: its prefill there before the learned
+    bias, less the per-step base (requests queued together share steps)."""
+    profile: PrefillProfile = replica.profile or config.prefill
+    n = request.num_prompt_tokens
+    uncached = max(n - cached_tokens(request, replica), 0)
+    return max(0.0, profile.seconds(uncached, n) - profile.base_s)
+
+
 def least_work(request: RoutingRequest, replicas: Sequence[ReplicaState],
                config: PolicyConfig) -> float:
     """The least prefill work `request` could add anywhere among `replicas` (its best
     cache match's): the baseline the delay to others is charged above."""
-    works = [max(0.0, (r.profile or config.prefill).seconds(
-        max(request.num_prompt_tokens - cached_tokens(request, r), 0), request.num_prompt_tokens)
-        - (r.profile or config.prefill).base_s) for r in replicas]
-    return min(works, default=0.0)
+    return min((queued_work(request, r, config) for r in replicas), default=0.0)
 
 
 def estimate_ttft(
@@ -128,9 +134,8 @@ def estimate_ttft(
     uncached = max(n - cached, 0)
     profile: PrefillProfile = replica.profile or config.prefill
     bias = replica.bias
-    profile_prefill_s = profile.seconds(uncached, n)
-    prefill_s = bias * profile_prefill_s
-    queued_work_s = max(0.0, profile_prefill_s - profile.base_s)
+    prefill_s = bias * profile.seconds(uncached, n)
+    queued_work_s = queued_work(request, replica, config)
 
     typical = replica.mean_prefill_s or profile.seconds(n, n)
     # Others' waiting requests as the scrape saw them, drained since (first come, first
