@@ -11,6 +11,8 @@ commandstats, which count the commands a script runs, with their CPU time):
   memory      bytes per block entry (one replica holding one block) and per million
   writes      Redis commands and server CPU (us) per KV-event batch (--stored, --removed)
   lookups     Redis commands and server CPU (us) per lookup, chains of 64 and 512 blocks
+  shared work server CPU (us) per read of other gateways' outstanding work (one HGETALL
+              of gateways x replicas fields, router/shared_work.py) and per write
 
 Server CPU is what bounds one Redis (one core): ops/s = 1e6 / (us per op). Client-side
 latency on this shared machine is not reported here (benchmarks/bench_index.py has it).
@@ -27,6 +29,8 @@ from collections.abc import Awaitable, Callable
 
 from replica.processes import redis_server
 from router.index import IndexOp, RedisIndex
+from router.outstanding import WorkView
+from router.shared_work import SharedWork
 
 MODEL = "m"
 
@@ -134,6 +138,37 @@ async def lookups(index: RedisIndex, replicas: int, length: int, when: str) -> N
               + f"; client wall {wall / 2000 * 1e3:.2f} ms")
 
 
+async def shared_work(url: str, fleets: list[tuple[int, int]]) -> None:
+    """Redis CPU per read and per write of the shared outstanding work, for each
+    (gateways, replicas): every gateway has a field per replica."""
+    index = RedisIndex.from_url(url, op_timeout_s=60, socket_timeout_s=60)
+    try:
+        for gateways, replicas in fleets:
+            await index.client.flushall()
+            others = [SharedWork(index.client, gateway_id=f"g{g}") for g in range(gateways)]
+            for gw in others:
+                for r in range(replicas):
+                    gw.publish(f"replica-{r}", WorkView(wait_s=0.2, pending=2, decoding=3))
+                await gw.flushed()
+            reader = others[0]
+
+            def read(i: int, reader: SharedWork = reader) -> Awaitable[object]:
+                return reader.read(10.0)
+
+            async def write(i: int, reader: SharedWork = reader, replicas: int = replicas) -> None:
+                reader.publish(f"replica-{i % replicas}", WorkView(wait_s=0.1, pending=1))
+                await reader.flushed()
+
+            _, read_us, read_wall = await measured(index, 2000, read)
+
+            _, write_us, _ = await measured(index, 2000, write)
+            print(f"shared work, {gateways} gateways x {replicas} replicas: read {read_us:.1f} us "
+                  f"Redis CPU ({1e6 / read_us:,.0f} reads/s per Redis core), client wall "
+                  f"{read_wall / 2000 * 1e3:.2f} ms; write (one field) {write_us:.1f} us")
+    finally:
+        await index.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--replicas", type=int, default=8)
@@ -146,6 +181,7 @@ def main() -> int:
     with redis_server() as server:
         asyncio.run(run(server.url, args.replicas, args.chains, args.length, args.stored,
                         args.removed))
+        asyncio.run(shared_work(server.url, [(4, 4), (4, 32), (8, 128), (10, 1000)]))
     return 0
 
 

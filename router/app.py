@@ -59,6 +59,7 @@ from router.proxy import Forwarder
 from router.read_deadline import ReadDeadlineSite
 from router.replicas import Fleet, Replica, ReplicaSource, verify_keys
 from router.routing import ChainCache, RoutingPipeline
+from router.shared_work import SharedWork
 from router.tenants import TenantRegistry
 from router.tokenize import PromptTokenizer
 
@@ -155,7 +156,8 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
         tokenizers=gw.tokenizers, chains=ChainCache(gw.config.limits.chain_cache_blocks), index=gw.index,
         policy=build_policy(gw.config.policy, gw.rng),
         index_deadline_s=gw.config.index.deadline_ms / 1000.0, executor=gw.executor,
-        pending=PendingChains(ttl_s=gw.config.policy.pending_ttl_s), clock=fleet.now)
+        pending=PendingChains(ttl_s=gw.config.policy.pending_ttl_s), clock=fleet.now,
+        shared=_shared_work(gw, fleet))
     gw.forwarder = Forwarder(gw.session, fleet, gw.config.proxy, gw.metrics, gw.rng)
     admission = Admission.from_config(gw.config.limits)
     gw.admission = admission
@@ -184,8 +186,33 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
 
     fleet.listeners.removed.append(forget)
     await fleet.start()
+    shared = gw.pipeline.shared
+    heartbeat = None if shared is None else gw.spawn(shared.heartbeat(
+        lambda: {r.replica_id: r.work.view(fleet.now()) for r in fleet.all()}),
+        "shared-work-heartbeat")
     yield
+    if shared is not None and heartbeat is not None:
+        heartbeat.cancel()
+        await asyncio.gather(heartbeat, return_exceptions=True)
+        await shared.close()
     await fleet.close()
+
+
+def _shared_work(gw: Gateway, fleet: Fleet) -> SharedWork | None:
+    """With a Redis index (and policy.share_work), this gateway's outstanding work per
+    replica is shared with the other gateways through it, and theirs read with each
+    lookup (router/shared_work.py)."""
+    if not (isinstance(gw.index, RedisIndex) and gw.config.policy.share_work):
+        return None
+    shared = SharedWork(gw.index.client)
+
+    def share(replica: Replica) -> None:
+        def changed(now: float) -> None:
+            shared.publish(replica.replica_id, replica.work.view(now))
+        replica.work.listener = changed
+
+    fleet.listeners.added.append(share)
+    return shared
 
 
 def _set_mode(replica: Replica) -> None:

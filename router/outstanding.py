@@ -33,7 +33,7 @@ snapshot calls `view`; `now` is always passed in (time.monotonic in the gateway)
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 # How much one new streamed measurement moves the learned bias (in log space): about the
@@ -82,6 +82,13 @@ class OutstandingWork:
     _log_bias: float = 0.0
     _samples: int = 0
     _mean_prefill_s: float = 0.0
+    # Told (with `now`) after every change: router/shared_work.py shares the new state
+    # with other gateways.
+    listener: Callable[[float], None] | None = None
+
+    def _changed(self, now: float) -> None:
+        if self.listener is not None:
+            self.listener(now)
 
     def begin(self, now: float, prefill_s: float, predicted_ttft_s: float, stream: bool) -> int:
         """Count a request just sent; returns the token for `first_byte` and `end`."""
@@ -95,6 +102,7 @@ class OutstandingWork:
             self._mean_prefill_s = prefill_s
         else:
             self._mean_prefill_s += BIAS_ALPHA * (prefill_s - self._mean_prefill_s)
+        self._changed(now)
         return token
 
     def first_byte(self, token: int, now: float) -> None:
@@ -114,10 +122,12 @@ class OutstandingWork:
                 self._log_bias += BIAS_ALPHA * math.log(measured / entry.predicted_ttft_s)
                 self._log_bias = min(max(self._log_bias, math.log(BIAS_MIN)), math.log(BIAS_MAX))
                 self._samples += 1
+        self._changed(now)
 
     def end(self, token: int, now: float) -> None:
         """The request finished, failed or was cancelled: it no longer loads the replica."""
-        self._entries.pop(token, None)
+        if self._entries.pop(token, None) is not None:
+            self._changed(now)
 
     @property
     def bias(self) -> float:

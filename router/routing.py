@@ -35,6 +35,7 @@ from router.policy.pipeline import NoReplicasError
 from router.policy.types import ReplicaState, RoutingDecision, RoutingRequest
 from router.replicas import Replica
 from router.request import ParsedRequest
+from router.shared_work import NO_PEER_WORK, PeerWork, SharedWork
 from router.vllm_rules import skips_prefix_cache
 
 
@@ -286,14 +287,31 @@ async def lookup_matches(index: PrefixIndex, model: str,
     return LookupResult(matches, None, time.perf_counter() - started)
 
 
+async def _peer_work(read: asyncio.Future[dict[str, PeerWork]] | None,
+                     left_s: float) -> Mapping[str, PeerWork]:
+    """The shared read's answer if it arrives within what is left of the lookup's
+    deadline; else none (this gateway's own view, as without sharing)."""
+    if read is None:
+        return {}
+    if not read.done():
+        await asyncio.wait([read], timeout=max(left_s, 0.0))
+    if not read.done():
+        read.cancel()
+        return {}
+    if read.cancelled() or read.exception() is not None:
+        return {}
+    return read.result()
+
+
 def predicted_cached_tokens(matched_blocks: int, num_prompt_tokens: int, block_size: int) -> int:
     """Tokens a replica holding `matched_blocks` leading blocks will serve from cache."""
     return min(matched_blocks, max_cacheable_blocks(num_prompt_tokens, block_size)) * block_size
 
 
 def snapshot(replica: Replica, matched_blocks: int, now: float,
-             work: WorkView | None = None) -> ReplicaState:
-    """A frozen ReplicaState of one replica for one decision (see Replica.outstanding)."""
+             work: WorkView | None = None, peers: PeerWork = NO_PEER_WORK) -> ReplicaState:
+    """A frozen ReplicaState of one replica for one decision (see Replica.outstanding);
+    `peers` is other gateways' work there (router/shared_work.py)."""
     t = replica.target
     running, waiting = replica.outstanding()
     work = replica.work.view(now) if work is None else work
@@ -313,6 +331,7 @@ def snapshot(replica: Replica, matched_blocks: int, now: float,
         external_running=external_running, external_waiting=external_waiting,
         mean_prefill_s=work.mean_prefill_s, bias=work.bias,
         scrape_age_s=max(0.0, now - replica.scraped_at) if replica.scraped_at else 0.0,
+        peer_wait_s=peers.wait_s, peer_pending=peers.pending, peer_decoding=peers.decoding,
     )
 
 
@@ -371,6 +390,7 @@ class RoutingPipeline:
     executor: Executor | None = None
     pending: PendingChains | None = None
     clock: Callable[[], float] = time.monotonic
+    shared: SharedWork | None = None
 
     async def route(self, parsed: ParsedRequest, replicas: Sequence[Replica], now: float,
                     tenant: str | None, cache_salt: str | None,
@@ -403,8 +423,14 @@ class RoutingPipeline:
         # vLLM does not read its prefix cache for this request: no replica gets credit.
         readable: Mapping[HashConfig, tuple[int, ...]] = {} if skips_prefix_cache(parsed.body, parsed.endpoint == "chat") \
             else prompt.keys
+        # Other gateways' work, read beside the lookup and under the same deadline.
+        peers_read = (asyncio.ensure_future(self.shared.read(2 * self.index_deadline_s))
+                      if self.shared is not None else None)
+        if peers_read is not None:
+            peers_read.add_done_callback(_collect)
         lookup = await lookup_matches(self.index, parsed.model, readable, members,
                                       self.index_deadline_s)
+        peers = await _peer_work(peers_read, self.index_deadline_s - lookup.seconds)
         # Tokenizing and the lookup took time (a burst queues in the executor): the
         # outstanding work is read as of now, not as of the request's arrival.
         now = self.clock()
@@ -418,7 +444,8 @@ class RoutingPipeline:
         views = {r.replica_id: r.work.view(now) for r in replicas}
         prior = fleet_bias(views.values())
         states = [snapshot(r, matches.get(r.replica_id, 0), now,
-                           with_prior(views[r.replica_id], prior)) for r in replicas]
+                           with_prior(views[r.replica_id], prior),
+                           peers.get(r.replica_id, NO_PEER_WORK)) for r in replicas]
         primary = max(prompt.keys.items(), key=lambda kv: len(members[kv[0]]),
                       default=(None, ()))[1]
         request = RoutingRequest(model=parsed.model, keys=primary,

@@ -302,6 +302,7 @@ def _policy(s: _Section) -> PolicyConfig:
         pending_ttl_s=s.get("pending_ttl_s", _nonneg_number, d.pending_ttl_s),
         work_weight=s.get("work_weight", _nonneg_number, d.work_weight),
         work_relative=s.get("work_relative", _bool, d.work_relative),
+        share_work=s.get("share_work", _bool, d.share_work),
     )
     if out.kv_threshold >= 1.0:
         raise ConfigError(s.sub("kv_threshold"), f"must be below 1.0, got {out.kv_threshold!r}")

@@ -5,10 +5,11 @@
     prefill   = bias * (base_s + per_token_s * uncached
                         + per_token_context_s * uncached * num_prompt_tokens)
     work      = queued_prefill_s                             # ours, ahead of it (outstanding.py)
-              + max(0, bias * external_waiting * typical_prefill - scrape_age_s)  # others'
-    decode    = bias * (decoding + external_running) * per_token_s * steps
+              + max(peer_wait_s,                             # other gateways' (shared_work.py)
+                    bias * external_waiting * typical_prefill - scrape_age_s)  # all others'
+    decode    = bias * (decoding + max(external_running, peer_decoding)) * per_token_s * steps
     steps     = max(1, ceil(uncached / prefill_chunk_tokens))
-    load      = max(inflight, running + waiting)
+    load      = max(inflight + peer_pending + peer_decoding, running + waiting)
     queue     = work + decode
               + load_cost_s * load
               + saturation_cost_s * max(0, load - capacity)
@@ -34,7 +35,7 @@ What cache_aware minimises is that TTFT plus the delay its prefill adds for othe
     cost      = ttft + work_weight * waiting * bias * max(0, work - least_work)
     work      = prefill - base_s               # (unbiased) what it adds to the queue there
     least_work = min over the candidates of work   # where its best cache match is
-    waiting   = pending + external_waiting     # requests waiting for their prefill there
+    waiting   = pending + max(external_waiting, peer_pending)  # waiting for a prefill there
 
 Every second of prefill a replica spends on this request delays each request that queues
 behind it there, and a replica's queue now is the best guess of how many will. An idle
@@ -142,9 +143,12 @@ def estimate_ttft(
     # served, like ours): a scrape up to an interval old must not keep a replica that has
     # long since served them looking busy.
     external_s = max(0.0, bias * replica.external_waiting * typical - replica.scrape_age_s)
-    work_s = replica.queued_prefill_s + external_s
+    # Other gateways' queue twice over: shared through Redis (fresh, theirs only) and in
+    # the scrape (late, every client's). The same requests: take the larger, not the sum.
+    work_s = replica.queued_prefill_s + max(external_s, replica.peer_wait_s)
     steps = max(1, -(-uncached // max(1, config.prefill_chunk_tokens)))
-    decode_s = (bias * (replica.decoding + replica.external_running)
+    others_running = max(replica.external_running, replica.peer_decoding)
+    decode_s = (bias * (replica.decoding + others_running)
                 * profile.per_token_s * steps)
 
     load = replica.load
@@ -161,6 +165,6 @@ def estimate_ttft(
     hot_s = config.hot_cost_s * max(0.0, load - hot_line)
     # The requests waiting there now stand for those that will queue behind this one:
     # an idle replica delays no one by taking a cold prefill, a backed-up one does.
-    waiting_there = replica.pending + replica.external_waiting
+    waiting_there = replica.pending + max(replica.external_waiting, replica.peer_pending)
     delay_s = config.work_weight * waiting_there * bias * max(0.0, queued_work_s - least_work_s)
     return TtftEstimate(cached, queue_s, hot_s, prefill_s, queued_work_s, delay_s)

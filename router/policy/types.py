@@ -56,6 +56,8 @@ class PolicyConfig:
     queued behind it (see router/policy/cost.py; 0 scores by its own TTFT alone);
     `work_relative` charges only the prefill above the least it could cost on any
     candidate (False, the default: all of it; see docs/POLICY.md for the measurement).
+    `share_work`: with a Redis index, gateways share their outstanding work through it
+    (router/shared_work.py), so each weighs the others' queues too.
     `weights` overrides the policy's scorer weights by
     scorer name.
     """
@@ -77,6 +79,7 @@ class PolicyConfig:
     pending_ttl_s: float = 10.0
     work_weight: float = 1.0
     work_relative: bool = False
+    share_work: bool = True
 
 
 @dataclass(frozen=True)
@@ -127,13 +130,19 @@ class ReplicaState:
     mean_prefill_s: float = 0.0
     bias: float = 1.0
     scrape_age_s: float = 0.0  # how old the scraped running/waiting are
+    # Other gateways' outstanding work there, shared through Redis (router/shared_work.py):
+    # fresher than the scrape, which sees the same requests an interval later.
+    peer_wait_s: float = 0.0
+    peer_pending: int = 0
+    peer_decoding: int = 0
 
     @property
     def load(self) -> int:
         """Outstanding requests: the larger of our own count and the scraped one."""
         # Our count is exact for our traffic but misses other gateways'; the scrape sees
         # everyone but lags. The larger is the safer estimate of the queue ahead.
-        return max(self.inflight, self.running + self.waiting)
+        return max(self.inflight + self.peer_pending + self.peer_decoding,
+                   self.running + self.waiting)
 
 
 @dataclass(frozen=True)

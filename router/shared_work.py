@@ -1,0 +1,184 @@
+"""Outstanding work shared between gateways through Redis: each sees the others' queues.
+
+A gateway knows its own outstanding work on each replica exactly (router/outstanding.py)
+but not what other gateways sent there a moment ago: the scrape shows it up to an
+interval late, and a burst's decisions all fall inside one interval. Deciding blind,
+several gateways each put a cold prefill on the same idle replica, and the second waits
+for the first (issue #16: agent TTFT p99 566 -> 697 ms from 1 to 4 gateways).
+
+So each gateway writes, per replica, when its queue there ends and how many of its
+requests are pending (no first byte yet) and decoding there, into one Redis hash
+(field "GATEWAY/REPLICA"), whenever that changes; and reads the whole hash beside every
+index lookup (concurrently, under the lookup's deadline). The others' work then counts
+with its own.
+
+    value = "busy_until pending decoding written"     (wall-clock seconds)
+
+`busy_until` is absolute, so a reader drains it by its own clock without the writer
+writing again (gateways' clocks agree to NTP's milliseconds, small against a prefill).
+A field not rewritten within `stale_s` is ignored (its gateway died or stalled): each
+gateway rewrites all of its fields every `heartbeat_s`, deletes them when it stops, and
+deletes other gateways' fields that have been stale for `forget_s`. Writes are
+fire-and-forget and coalesced (the latest value per replica, one write in flight), so a
+burst costs a few round trips, not one per request; a lost write is repaired by the next
+change or the heartbeat. With Redis away the gateway sees only its own work, as before.
+
+Cost: one HGETALL per routed request of gateways x replicas short fields (see
+docs/SCALING.md for what that is at fleet scale).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import cast
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from router.outstanding import WorkView
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PeerWork:
+    """Other gateways' outstanding work on one replica, as of one read."""
+
+    wait_s: float = 0.0  # seconds of their prefill still queued there, summed
+    pending: int = 0  # their requests there without a first byte yet
+    decoding: int = 0  # theirs past the first byte, not finished
+
+
+NO_PEER_WORK = PeerWork()
+
+
+def encode(view: WorkView, wall: float) -> bytes:
+    """One field's value: when this gateway's queue there ends, its counts, and when."""
+    return f"{wall + view.wait_s:.4f} {view.pending} {view.decoding} {wall:.4f}".encode()
+
+
+def parse(raw: Mapping[bytes, bytes], own_gateway: str, wall: float, stale_s: float,
+          forget_s: float | None = None) -> tuple[dict[str, PeerWork], list[bytes]]:
+    """Other gateways' work per replica id from the hash's fields, and the fields stale
+    for longer than `forget_s` (to delete). Own fields, stale and malformed ones are
+    skipped: a bad field must not stop routing."""
+    own = own_gateway.encode() + b"/"
+    out: dict[str, PeerWork] = {}
+    dead: list[bytes] = []
+    for name, value in raw.items():
+        if name.startswith(own):
+            continue
+        gateway, sep, replica = name.partition(b"/")
+        try:
+            busy_s, pending_s, decoding_s, written_s = value.split()
+            busy, written = float(busy_s), float(written_s)
+            pending, decoding = int(pending_s), int(decoding_s)
+        except ValueError:
+            continue
+        if not sep or not gateway or not replica:
+            continue
+        age = wall - written
+        if age > stale_s:
+            if forget_s is not None and age > forget_s:
+                dead.append(name)
+            continue
+        rid = replica.decode(errors="replace")
+        prev = out.get(rid, NO_PEER_WORK)
+        out[rid] = PeerWork(prev.wait_s + max(0.0, busy - wall),
+                            prev.pending + max(0, pending), prev.decoding + max(0, decoding))
+    return out, dead
+
+
+class SharedWork:
+    """This gateway's side of the shared hash: publish its own work, read the others'."""
+
+    def __init__(self, client: Redis, *, namespace: str = "cr", gateway_id: str | None = None,
+                 stale_s: float = 3.0, heartbeat_s: float = 1.0, forget_s: float = 60.0,
+                 write_timeout_s: float = 0.5, clock: Callable[[], float] = time.time) -> None:
+        self.key = f"{namespace}:work".encode()
+        self.gateway_id = gateway_id or secrets.token_hex(6)
+        self.stale_s = stale_s
+        self.heartbeat_s = heartbeat_s
+        self.forget_s = forget_s
+        self._redis = client
+        self._write_timeout_s = write_timeout_s
+        self._clock = clock
+        self._dirty: dict[str, bytes] = {}
+        self._published: set[str] = set()
+        self._dead: list[bytes] = []
+        self._flushing: asyncio.Task[None] | None = None
+        self.write_failures = 0
+
+    def _field(self, replica_id: str) -> bytes:
+        return f"{self.gateway_id}/{replica_id}".encode()
+
+    def publish(self, replica_id: str, view: WorkView) -> None:
+        """Share this gateway's work on one replica (now, in the background)."""
+        self._dirty[replica_id] = encode(view, self._clock())
+        if self._flushing is None or self._flushing.done():
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        while self._dirty:
+            batch, self._dirty = self._dirty, {}
+            try:
+                await asyncio.wait_for(self._redis.hset(
+                    self.key, mapping={self._field(rid): v for rid, v in batch.items()}),
+                    self._write_timeout_s)
+            except (RedisError, OSError, TimeoutError) as exc:
+                # Lost: the next change or the heartbeat writes it again.
+                self.write_failures += 1
+                log.debug("shared work write failed: %s", exc)
+                return
+            self._published.update(batch)
+
+    async def flushed(self) -> None:
+        """Wait until what has been published so far is written (or failed)."""
+        while self._flushing is not None and not self._flushing.done():
+            await asyncio.gather(self._flushing, return_exceptions=True)
+
+    async def read(self, timeout_s: float) -> dict[str, PeerWork]:
+        """The other gateways' work per replica id; raises on a failed or late read."""
+        raw = await asyncio.wait_for(self._redis.hgetall(self.key), timeout_s)
+        # The index's client does not decode responses: fields and values are bytes.
+        peers, dead = parse(cast(Mapping[bytes, bytes], raw), self.gateway_id, self._clock(),
+                            self.stale_s, self.forget_s)
+        if dead:
+            self._dead = dead  # deleted by the next heartbeat
+        return peers
+
+    async def heartbeat(self, views: Callable[[], Mapping[str, WorkView]]) -> None:
+        """Rewrite every replica's field each heartbeat_s (so live ones never look
+        stale) and drop long-dead gateways' fields. Runs until cancelled."""
+        while True:
+            await self.beat(views())
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def beat(self, views: Mapping[str, WorkView]) -> None:
+        """One heartbeat: republish every replica's work, delete long-dead fields."""
+        for replica_id, view in views.items():
+            self.publish(replica_id, view)
+        dead, self._dead = self._dead, []
+        if dead:
+            try:
+                await asyncio.wait_for(self._redis.hdel(self.key, *dead), self._write_timeout_s)
+            except (RedisError, OSError, TimeoutError) as exc:
+                log.debug("shared work cleanup failed: %s", exc)
+
+    async def close(self) -> None:
+        """Withdraw this gateway's fields: its work leaves with it."""
+        if self._flushing is not None:
+            self._flushing.cancel()
+            await asyncio.gather(self._flushing, return_exceptions=True)
+        fields = [self._field(rid) for rid in self._published | set(self._dirty)]
+        if fields:
+            try:
+                await asyncio.wait_for(self._redis.hdel(self.key, *fields), self._write_timeout_s)
+            except (RedisError, OSError, TimeoutError) as exc:
+                log.warning("could not withdraw shared work (it goes stale in %.0f s): %s",
+                            self.stale_s, exc)

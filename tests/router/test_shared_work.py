@@ -1,0 +1,143 @@
+"""Outstanding work shared between gateways through a real Redis (router/shared_work.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from typing import Any
+
+from redis.asyncio import Redis
+
+from router.config import LimitsConfig, TenantsConfig
+from router.hashing import HashConfig
+from router.index import MemoryIndex
+from router.outstanding import WorkView
+from router.policy.pipeline import build_policy
+from router.policy.types import PolicyConfig
+from router.replicas import Replica, ReplicaSource
+from router.request import parse_request
+from router.routing import ChainCache, RoutingPipeline
+from router.shared_work import PeerWork, SharedWork, encode, parse
+from router.tenants import TenantRegistry
+
+REGISTRY = TenantRegistry.from_config(TenantsConfig(allow_anonymous=True))
+
+
+def test_parse_sums_other_gateways_and_skips_own_stale_and_malformed() -> None:
+    now = 1000.0
+    raw = {
+        b"a/r0": encode(WorkView(wait_s=0.5, pending=2, decoding=1), now - 0.1),  # 0.4 s left
+        b"b/r0": encode(WorkView(wait_s=0.2, pending=1, decoding=0), now),
+        b"b/r1": encode(WorkView(wait_s=0.1, pending=1, decoding=3), now - 0.5),  # drained
+        b"me/r0": encode(WorkView(wait_s=9.0, pending=9, decoding=9), now),  # our own
+        b"c/r2": encode(WorkView(wait_s=9.0, pending=9, decoding=9), now - 5.0),  # stale
+        b"d/r2": encode(WorkView(wait_s=9.0, pending=9, decoding=9), now - 100.0),  # dead
+        b"e/r2": b"not a value",
+        b"no-slash": encode(WorkView(wait_s=1.0, pending=1), now),
+    }
+    peers, dead = parse(raw, "me", now, stale_s=3.0, forget_s=60.0)
+    assert set(peers) == {"r0", "r1"}
+    assert abs(peers["r0"].wait_s - 0.6) < 1e-3
+    assert (peers["r0"].pending, peers["r0"].decoding) == (3, 1)
+    assert peers["r1"] == PeerWork(wait_s=0.0, pending=1, decoding=3)
+    assert dead == [b"d/r2"]
+
+
+async def test_gateways_see_each_others_work_until_it_ends(redis_server: Any) -> None:
+    client_a, client_b = Redis.from_url(redis_server.url), Redis.from_url(redis_server.url)
+    a = SharedWork(client_a, gateway_id="a")
+    b = SharedWork(client_b, gateway_id="b")
+    replica = _replicas(1)[0]
+    replica.work.listener = lambda now: a.publish(replica.replica_id, replica.work.view(now))
+    try:
+        assert await b.read(1.0) == {}
+        token = replica.work.begin(time.monotonic(), 0.4, 0.4, stream=True)
+        await a.flushed()
+        seen = (await b.read(1.0))["r0"]
+        assert (seen.pending, seen.decoding) == (1, 0) and 0.3 < seen.wait_s <= 0.4
+        assert await a.read(1.0) == {}  # a gateway does not count its own work twice
+        replica.work.first_byte(token, time.monotonic())
+        await a.flushed()
+        assert (await b.read(1.0))["r0"] == PeerWork(wait_s=0.0, pending=0, decoding=1)
+        replica.work.end(token, time.monotonic())
+        await a.flushed()
+        assert (await b.read(1.0))["r0"] == PeerWork()
+        await a.close()  # a gateway that stops takes its fields with it
+        assert await client_b.hgetall(b.key) == {}
+    finally:
+        await client_a.aclose()
+        await client_b.aclose()
+
+
+async def test_a_dead_gateways_fields_go_stale_then_are_deleted(redis_server: Any) -> None:
+    client = Redis.from_url(redis_server.url)
+    clock = [1000.0]
+    dead = SharedWork(client, gateway_id="dead", clock=lambda: clock[0])
+    live = SharedWork(client, gateway_id="live", clock=lambda: clock[0], stale_s=3.0,
+                      forget_s=60.0)
+    try:
+        dead.publish("r0", WorkView(wait_s=30.0, pending=5))
+        await dead.flushed()
+        assert (await live.read(1.0))["r0"].pending == 5
+        clock[0] += 4.0  # not rewritten by its heartbeat: stale, ignored, still there
+        assert await live.read(1.0) == {}
+        assert await client.hlen(live.key) == 1
+        clock[0] += 60.0  # long dead: the next heartbeat deletes it
+        assert await live.read(1.0) == {}
+        await live.beat({"r0": WorkView()})
+        await live.flushed()
+        assert set(await client.hkeys(live.key)) == {b"live/r0"}
+    finally:
+        await client.aclose()
+
+
+async def test_a_second_gateway_avoids_the_replica_another_just_loaded(redis_server: Any) -> None:
+    # Gateway A sends a cold 2k-token prompt to one of two idle replicas. Gateway B,
+    # deciding moments later (long before any scrape), puts its own cold prompts on the
+    # other one when it reads A's work, and on either when it does not share.
+    client = Redis.from_url(redis_server.url)
+    shared_a = SharedWork(client, gateway_id="a")
+    shared_b = SharedWork(client, gateway_id="b")
+    fleet_a, fleet_b = _replicas(2), _replicas(2)
+    for r in fleet_a:
+        r.work.listener = (lambda now, r=r: shared_a.publish(r.replica_id, r.work.view(now)))
+    gateway_a = _pipeline(shared_a)
+    try:
+        first = await gateway_a.route(_body([1] * 2048), fleet_a, time.monotonic(),
+                                      tenant="t", cache_salt=None, reserve=True)
+        await shared_a.flushed()
+        loaded = first.decision.replica_id
+
+        async def placements(shared: SharedWork | None) -> Counter[str]:
+            gateway_b = _pipeline(shared)
+            return Counter([(await gateway_b.route(
+                _body([100 + i] * 2048), fleet_b, time.monotonic(), tenant="t",
+                cache_salt=None)).decision.replica_id for i in range(20)])
+
+        sharing, blind = await placements(shared_b), await placements(None)
+        assert loaded not in sharing, sharing
+        assert blind[loaded] > 0, blind  # blind, the two idle-looking replicas tie
+    finally:
+        await client.aclose()
+
+
+def _replicas(n: int) -> list[Replica]:
+    out = []
+    for i in range(n):
+        source = ReplicaSource(name=f"r{i}", url=f"http://127.0.0.1:{9000 + i}", models=("m",),
+                               hash_config=HashConfig(block_size=16))
+        out.append(Replica(target=source.target(), healthy=True))
+    return out
+
+
+def _pipeline(shared: SharedWork | None) -> RoutingPipeline:
+    return RoutingPipeline(tokenizers={}, chains=ChainCache(), index=MemoryIndex(),
+                           policy=build_policy(PolicyConfig(seed=1, tolerance=0.0)),
+                           index_deadline_s=1.0, shared=shared)
+
+
+def _body(tokens: list[int]) -> Any:
+    raw = json.dumps({"model": "m", "prompt": tokens}).encode()
+    return parse_request(raw, "completions", served_models=(), limits=LimitsConfig(),
+                         tenant=REGISTRY.identify(None), registry=REGISTRY)
