@@ -57,7 +57,8 @@ class PolicyConfig:
     `work_relative` charges only the prefill above the least it could cost on any
     candidate (False, the default: all of it; see docs/POLICY.md for the measurement).
     `share_work`: with a Redis index, gateways share their outstanding work through it
-    (router/shared_work.py), so each weighs the others' queues too.
+    (router/shared_work.py), so each weighs the others' queues too (False, the default:
+    measured, it did not pay on this machine; see docs/POLICY.md).
     `weights` overrides the policy's scorer weights by
     scorer name.
     """
@@ -79,7 +80,7 @@ class PolicyConfig:
     pending_ttl_s: float = 10.0
     work_weight: float = 1.0
     work_relative: bool = False
-    share_work: bool = True
+    share_work: bool = False
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,13 @@ import time
 from collections import Counter
 from typing import Any
 
+import aiohttp
+from aiohttp import web
 from redis.asyncio import Redis
 
-from router.config import LimitsConfig, TenantsConfig
+from replica.fleet import free_port
+from router.app import build_app, running_gateway
+from router.config import LimitsConfig, TenantsConfig, build_config
 from router.hashing import HashConfig
 from router.index import MemoryIndex
 from router.outstanding import WorkView
@@ -120,6 +124,56 @@ async def test_a_second_gateway_avoids_the_replica_another_just_loaded(redis_ser
         assert blind[loaded] > 0, blind  # blind, the two idle-looking replicas tie
     finally:
         await client.aclose()
+
+
+async def test_a_gateway_set_to_share_publishes_and_withdraws_its_work(
+        redis_server: Any) -> None:
+    # The whole app: with share_work it enters each replica it sends to in the shared
+    # hash, and takes its fields away when it stops; without it, writes nothing there.
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def complete(_: web.Request) -> web.Response:
+        return web.json_response({
+            "id": "c1", "object": "text_completion", "model": "m",
+            "choices": [{"index": 0, "text": "x", "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+
+    upstream = web.Application()
+    upstream.router.add_get("/health", health)
+    upstream.router.add_post("/v1/completions", complete)
+    runner = web.AppRunner(upstream)
+    await runner.setup()
+    up_port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", up_port).start()
+    client = Redis.from_url(redis_server.url)
+    try:
+        for share in (True, False):
+            port = free_port()
+            config = build_config({
+                "listen": {"host": "127.0.0.1", "port": port},
+                "replicas": [{"url": f"http://127.0.0.1:{up_port}", "models": ["m"]}],
+                "index": {"backend": redis_server.url},
+                "policy": {"share_work": share},
+                "tenants": {"allow_anonymous": True},
+                "health": {"interval_s": 60},
+            }, {"CACHEROUTE_SALT_SECRET": "shared-work-test-secret-0123"})
+            async with running_gateway(build_app(config), "127.0.0.1", port), \
+                    aiohttp.ClientSession() as session:
+                async with session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                        json={"model": "m", "prompt": [1, 2, 3]}) as resp:
+                    assert resp.status == 200, await resp.text()
+                fields = await client.hkeys(b"cr:work")
+                # Written at the decision, before the request was forwarded.
+                if share:
+                    assert len(fields) == 1, fields
+                    assert fields[0].endswith(f"/127.0.0.1:{up_port}".encode()), fields
+                else:
+                    assert fields == []
+            assert await client.hkeys(b"cr:work") == []
+    finally:
+        await client.aclose()
+        await runner.cleanup()
 
 
 def _replicas(n: int) -> list[Replica]:
