@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from router.deadlines import within
 from router.hashing import HashConfig
 from router.policy.types import PrefillProfile
 
@@ -179,7 +180,7 @@ class Discovery:
         assert source.dns is not None
         host, port = split_dns(source.dns)
         try:
-            found = await asyncio.wait_for(self._resolver(host, port), self._timeout_s)
+            found = await within(self._resolver(host, port), self._timeout_s)
         except (OSError, TimeoutError) as exc:
             found = self._known.get(source.name, [])
             log.warning("resolving %s failed (%s); keeping %d known addresses",

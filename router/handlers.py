@@ -4,13 +4,13 @@ router.completions."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from router.deadlines import within
 from router.endpoints import models_cards
 from router.gateway import (
     GATEWAY,
@@ -81,7 +81,7 @@ async def handle_ready(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     assert gw.fleet is not None and gw.index is not None
     try:
-        await asyncio.wait_for(gw.index.lookup("cacheroute-ready-probe", [0]), INDEX_OP_TIMEOUT_S)
+        await within(gw.index.lookup("cacheroute-ready-probe", [0]), INDEX_OP_TIMEOUT_S)
         index_state = "ok"
     except (TimeoutError, IndexUnavailable, OSError) as exc:
         index_state = f"down: {type(exc).__name__}"

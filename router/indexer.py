@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from router.deadlines import within
 from router.discovery import (
     DNS_TIMEOUT_S,
     Discovery,
@@ -235,7 +236,7 @@ async def run_indexer(feeds: list[ReplicaFeed], dns: list[DnsReplicas], index: P
         dns_task = asyncio.create_task(follower.run(), name="dns")
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), stats_interval_s)
+                await within(stop.wait(), stats_interval_s)
             except TimeoutError:
                 _log_stats(indexer)
         log.info("stopping")

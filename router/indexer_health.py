@@ -16,7 +16,6 @@ chart binds the pod IP for the kubelet) and --health-port.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from router.deadlines import within
 from router.events import EventIndexer
 from router.index import IndexUnavailable, PrefixIndex
 
@@ -48,7 +48,7 @@ class IndexerHealth:
             found += [f"replica {rid}: event stream stopped"
                       for rid in self.indexer.stopped_streams()]
         try:
-            await asyncio.wait_for(self.index.lookup(_PROBE_SCOPE, [0]), self.deadline_s)
+            await within(self.index.lookup(_PROBE_SCOPE, [0]), self.deadline_s)
         except (TimeoutError, IndexUnavailable, OSError) as exc:
             found.append(f"index: {type(exc).__name__}: {exc}"[:200])
         if found != self._last:  # log a change once, not every probe

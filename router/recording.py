@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from router.deadlines import within
 from router.gateway import INDEX_OP_TIMEOUT_S, Gateway
 from router.index import IndexUnavailable
 from router.replicas import Replica
@@ -48,7 +49,7 @@ async def record_blocks(gw: Gateway, route: Route, replica: Replica,
     if not keys:
         return
     try:
-        await asyncio.wait_for(
+        await within(
             gw.index.record(route.parsed.model, replica.replica_id, keys,
                             gw.config.index.record_ttl_s,
                             capacity_blocks=gw.config.index.record_capacity_blocks),

@@ -40,6 +40,7 @@ from typing import cast
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from router.deadlines import within
 from router.outstanding import WorkView
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class SharedWork:
         while self._dirty:
             batch, self._dirty = self._dirty, {}
             try:
-                await asyncio.wait_for(self._redis.hset(
+                await within(self._redis.hset(
                     self.key, mapping={self._field(rid): v for rid, v in batch.items()}),
                     self._write_timeout_s)
             except (RedisError, OSError, TimeoutError) as exc:
@@ -144,7 +145,7 @@ class SharedWork:
 
     async def read(self, timeout_s: float) -> dict[str, PeerWork]:
         """The other gateways' work per replica id; raises on a failed or late read."""
-        raw = await asyncio.wait_for(self._redis.hgetall(self.key), timeout_s)
+        raw = await within(self._redis.hgetall(self.key), timeout_s)
         # The index's client does not decode responses: fields and values are bytes.
         peers, dead = parse(cast(Mapping[bytes, bytes], raw), self.gateway_id, self._clock(),
                             self.stale_s, self.forget_s)
@@ -166,7 +167,7 @@ class SharedWork:
         dead, self._dead = self._dead, []
         if dead:
             try:
-                await asyncio.wait_for(self._redis.hdel(self.key, *dead), self._write_timeout_s)
+                await within(self._redis.hdel(self.key, *dead), self._write_timeout_s)
             except (RedisError, OSError, TimeoutError) as exc:
                 log.debug("shared work cleanup failed: %s", exc)
 
@@ -178,7 +179,7 @@ class SharedWork:
         fields = [self._field(rid) for rid in self._published | set(self._dirty)]
         if fields:
             try:
-                await asyncio.wait_for(self._redis.hdel(self.key, *fields), self._write_timeout_s)
+                await within(self._redis.hdel(self.key, *fields), self._write_timeout_s)
             except (RedisError, OSError, TimeoutError) as exc:
                 log.warning("could not withdraw shared work (it goes stale in %.0f s): %s",
                             self.stale_s, exc)

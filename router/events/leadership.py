@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from router.deadlines import within
 from router.index import IndexerLease, IndexUnavailable
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 async def _wait(stop: asyncio.Event, seconds: float) -> None:
     """Sleep `seconds` (a lease period, not synchronisation) or until stop is set."""
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), seconds)
+        await within(stop.wait(), seconds)
 
 
 async def _hold(lease: IndexerLease, token: int, work: asyncio.Task[None],

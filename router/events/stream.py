@@ -89,6 +89,7 @@ class ReplicaEventStream:
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._monitor_task: asyncio.Task[None] | None = None
         # Serialises message handling with mark_stale(), which the gateway calls.
         self._lock = asyncio.Lock()
@@ -97,6 +98,7 @@ class ReplicaEventStream:
         """Connect the SUB socket and start applying events."""
         if self._task is not None:
             return
+        self._stopping = False
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, _SUB_HWM)
@@ -115,6 +117,9 @@ class ReplicaEventStream:
 
     async def stop(self) -> None:
         """Stop the task and close the sockets (the index keeps its entries)."""
+        # The flag ends the loop even if a cancellation were lost inside a library call:
+        # the task would otherwise run on, and this await would never return.
+        self._stopping = True
         for task in (self._task, self._monitor_task):
             if task is not None:
                 task.cancel()
@@ -160,7 +165,7 @@ class ReplicaEventStream:
             await self._resume()
         # No deadline on recv: an idle replica legitimately sends nothing. Liveness is
         # judged by the gateway's health checks and stats.last_received_at.
-        while True:
+        while not self._stopping:
             frames = await self._sub.recv_multipart()
             async with self._lock:
                 try:

@@ -1,21 +1,23 @@
 """The indexer lease: one active indexer per index namespace, any others on standby.
 
 An indexer asks for the lease with lease.lua: granted only when nobody holds it (SET NX
-PX), and granting increments the fence counter, whose new value is the lease's token.
+PX), and granting moves the fence counter up (to one past it, or to the server's clock in
+microseconds if that is later), and its new value is the lease's token.
 The holder renews it well inside its TTL and builds its RedisIndex with that token
 (`fence_token`), so each of its writes is checked against the counter inside Redis, in
 the same script that writes. A holder that stalls past its TTL (a long pause, a
 partition) and is replaced cannot write after its successor's grant: its scripts find
 the counter moved on and refuse (IndexFenced). Key names: redis.py's docstring.
 
-Redis failover caveat: with asynchronous replication a promoted replica may miss the
-latest lease grant; the counter then repeats a token. The lease expires within its TTL
-either way, and the write check still refuses every token but the newest granted there.
+Redis failover: with asynchronous replication a promoted replica may miss the latest
+grant, or the counter altogether (a replica promoted before its first sync). Counting up
+from the clock keeps tokens rising anyway, so no later grant repeats a token a deposed
+holder may still write with, unless the servers' clocks differ by more than the time
+between the two grants. The lease expires within its TTL either way.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 from dataclasses import dataclass
 from importlib import resources
@@ -23,6 +25,7 @@ from importlib import resources
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from router.deadlines import within
 from router.index.protocol import IndexUnavailable
 
 LEASE_SCRIPT = resources.files(__package__).joinpath("lease.lua").read_text(encoding="utf-8")
@@ -61,7 +64,7 @@ class IndexerLease:
     async def _run(self, action: str, token: int | None) -> object:
         ttl_ms = max(1, math.ceil(self.settings.ttl_s * 1000))
         try:
-            return await asyncio.wait_for(self._script(keys=list(self._keys), args=[
+            return await within(self._script(keys=list(self._keys), args=[
                 action, self.settings.holder, "" if token is None else str(token), ttl_ms]),
                 self._op_timeout_s)
         except (TimeoutError, RedisError, OSError) as exc:

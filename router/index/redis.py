@@ -57,7 +57,7 @@ write with the fence key and its token: once another indexer took the lease, eac
 write script refuses before writing (`IndexFenced`). It also keeps stream positions
 (NS:s:R) with each batch and clears them with the replica.
 
-Every Redis call has a deadline (socket timeouts, and asyncio.wait_for around each
+Every Redis call has a deadline (socket timeouts, and router.deadlines.within around each
 operation); a failure raises `IndexUnavailable` so the gateway can route by load alone.
 """
 
@@ -75,6 +75,7 @@ from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
+from router.deadlines import within
 from router.index.connection import redis_client
 from router.index.lease import lease_keys
 from router.index.probes import ObservedBlocks, decode_observation, encode_observation
@@ -198,7 +199,7 @@ class RedisIndex:
 
     async def _call(self, coro: Awaitable[T], limit_s: float, what: str) -> T:
         try:
-            return await asyncio.wait_for(coro, limit_s)
+            return await within(coro, limit_s)
         except TimeoutError as exc:
             raise IndexUnavailable(f"redis {what} exceeded its {limit_s:.3f}s deadline") from exc
         except ResponseError as exc:

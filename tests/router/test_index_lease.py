@@ -23,6 +23,7 @@ from router.index import (
     RedisIndex,
     StreamPosition,
 )
+from router.index.lease import lease_keys
 
 MODEL = "m"
 
@@ -49,6 +50,28 @@ async def test_one_holder_at_a_time_and_each_grant_a_newer_token(redis_url: str)
         assert second is not None and second > first
         assert not await a.renew(first)
     finally:
+        await client.close()
+
+
+async def test_a_grant_after_the_counter_was_lost_is_still_newer(redis_url: str) -> None:
+    # A replica promoted before its first sync holds neither the lease nor the counter
+    # (seen in tests/e2e/test_redis_failover.py): the next grant must not repeat the
+    # deposed holder's token, or that holder's writes would pass the fence.
+    client = RedisIndex.from_url(redis_url)
+    a = IndexerLease(client.client, LeaseSettings("a", ttl_s=30))
+    b = IndexerLease(client.client, LeaseSettings("b", ttl_s=30))
+    first = await a.acquire()
+    assert first is not None
+    deposed = RedisIndex.from_url(redis_url, fence_token=first)
+    try:
+        await client.client.delete(*lease_keys("cr"))  # what the failover lost
+        second = await b.acquire()
+        assert second is not None and second > first
+        with pytest.raises(IndexFenced):
+            await deposed.add(MODEL, "r1", [1])
+        assert await client.lookup(MODEL, [1]) == {}
+    finally:
+        await deposed.close()
         await client.close()
 
 
