@@ -119,8 +119,11 @@ async def _tokenizers_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def _load_tokenizer(directory: str, max_model_len: int | None) -> PromptTokenizer:
     if max_model_len is None:
-        return PromptTokenizer.from_dir(directory)
-    return PromptTokenizer.from_dir(directory, max_model_len=max_model_len)
+        tokenizer = PromptTokenizer.from_dir(directory)
+    else:
+        tokenizer = PromptTokenizer.from_dir(directory, max_model_len=max_model_len)
+    tokenizer.warm()
+    return tokenizer
 
 
 async def _index_ctx(app: web.Application) -> AsyncIterator[None]:

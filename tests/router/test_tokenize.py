@@ -378,3 +378,19 @@ def test_openai_content_format_equals_vllm_with_chat_template_override(
             ours = tok.chat_tokens(copy.deepcopy(body))
             assert ours == theirs, f"ours: {tok.decode(ours)!r}\nvLLM: {tok.decode(theirs)!r}"
     assert "[a][b]" in tok.render_chat(bodies[0])
+
+
+def test_warm_compiles_the_chat_template_before_the_first_request(tiny_model_dir: Path) -> None:
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    # A template of this test's own, so no earlier test has compiled it already.
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                "{% if tools %}{{ tools | length }} tools{% endif %}{# warm-up test #}")
+    tok = PromptTokenizer.from_dir(tiny_model_dir, chat_template=template)
+    tok.warm()
+    compiled = _compile_jinja_template.cache_info()
+    body = {"messages": [{"role": "user", "content": "hello"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+    assert tok.render_chat(body).startswith("<|user|>hello")
+    after = _compile_jinja_template.cache_info()
+    assert (after.misses, after.hits) == (compiled.misses, compiled.hits + 1)
