@@ -22,7 +22,10 @@ overhead is multiplied too, which the report says.
 spread over the N instances round-robin by plan index (a conversation's turns land on
 different instances): our gateways as N processes sharing one Redis index (fed by one
 indexer), vllm-router as N independent instances, SMG as N instances joined by its mesh
-(--enable-mesh, cache trees gossiped). Run it once per N and compare the reports.
+(--enable-mesh, cache trees gossiped). A policy named `NAME*N` runs as N instances
+whatever --gateways says, so one run can interleave 1 and 4 gateways of the same router
+(`--policies cache_aware,cache_aware*4 --vllm-router cache_aware,cache_aware*4`): the
+comparison the machine's noise between runs would otherwise blur.
 
 `--policy-set KEY=VALUE` and `--index-set KEY=VALUE` change one key of our gateways'
 `policy:` or `index:` config for a control run; the report names them.
@@ -160,7 +163,7 @@ def parse_policies(args: argparse.Namespace) -> list[str]:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
         peer, _ = split_policy(p)
-        if peer is None and policy_variant(p)[0] not in POLICIES:
+        if peer is None and policy_variant(instances(p, 1)[0])[0] not in POLICIES:
             raise SystemExit(f"compare: unknown policy {p!r}; choose from {', '.join(POLICIES)}"
                              f" or PEER:NAME with PEER one of {', '.join(PEERS)}")
     for peer, flag in ((VLLM_ROUTER, args.vllm_router), (SMG, getattr(args, "smg", "none"))):
@@ -285,13 +288,27 @@ class SpreadDriver(Driver):
         await super()._stream(session, req, rec)
 
 
+def instances(policy: str, default: int) -> tuple[str, int]:
+    """`cache_aware*4` -> ("cache_aware", 4); without `*N`, (policy, default)."""
+    name, sep, count = policy.rpartition("*")
+    if not sep:
+        return policy, default
+    if not count.isdigit() or int(count) < 1 or not name:
+        raise HarnessError(f"{policy!r}: want NAME*N with N a positive count of instances")
+    return name, int(count)
+
+
 @contextlib.contextmanager
 def router(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfile,
            args: argparse.Namespace, log_dir: Path, tag: str
            ) -> Iterator[tuple[list[str], str]]:
-    """The routers a policy names (--gateways of them), started; their URLs and a note."""
-    peer, name = split_policy(policy)
-    count = getattr(args, "gateways", 1)
+    """The routers a policy names (--gateways of them, or N of `NAME*N`), started; their
+    URLs and a note."""
+    base, count = instances(policy, getattr(args, "gateways", 1))
+    if base != policy:  # its files must not overwrite those of the same router x1
+        tag = f"-x{count}{tag}"
+    peer, name = split_policy(base)
+    policy = base
     if peer is not None:
         with peer_routers(peer, name, fleet, Path(args.model_dir), log_dir, tag,
                           count) as urls:
@@ -355,6 +372,8 @@ def run_comparison(args: argparse.Namespace, console: Any = None) -> Comparison:
     if getattr(args, "gateways", 1) < 1:
         raise HarnessError(f"--gateways must be at least 1, got {args.gateways}")
     policies, skipped = runnable(parse_policies(args), args.api)
+    for policy in policies:
+        instances(policy, 1)  # a bad NAME*N fails now, not rounds into the run
     if getattr(args, "smg", "none") == "auto" and args.api != "chat":
         console.print(f"not comparing smg: {skip_reason(SMG, args.api)}")
     for reason in skipped:

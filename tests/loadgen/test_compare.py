@@ -1,4 +1,5 @@
-"""One small compare run end to end: 2 sims, a private redis-server, 2 gateways."""
+"""One small compare run end to end: 2 sims, a private redis-server, 2 gateways (and
+one policy as 2 instances)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.compare import add_arguments, parse_policies, round_order, run_comparison, runnable
+from loadgen.compare import (
+    add_arguments,
+    instances,
+    parse_policies,
+    round_order,
+    run_comparison,
+    runnable,
+)
 from loadgen.gateway_under_test import (
     config_overrides,
     gateway_config,
@@ -30,7 +38,7 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_compare_two_policies_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = tmp_path / "report"
     args = _args(
-        "--replicas", "2", "--policies", "round_robin,cache_aware", "--vllm-router", "none",
+        "--replicas", "2", "--policies", "round_robin,cache_aware*2", "--vllm-router", "none",
         "--index", "redis", "--workload", "chat", "--requests", "9", "--conversations", "3",
         "--shared-prefix-tokens", "64", "--question-tokens", "16", "--answer-tokens", "4",
         "--concurrency", "1", "--kv-tokens", "4096", "--max-model-len", "1024",
@@ -41,7 +49,7 @@ def test_compare_two_policies_end_to_end(tmp_path: Path, tiny_model_dir: Path) -
     assert not comparison.index.endswith(":6379/0")
     data = json.loads((out / "results.json").read_text())
     rows = {row["policy"]: row for row in data["policies"]}
-    assert list(rows) == ["round_robin", "cache_aware"]
+    assert list(rows) == ["round_robin", "cache_aware*2"]
     for row in rows.values():
         assert row["completed"] == 9 and row["errors"] == 0
         assert row["prompt_tokens"] == 3 * 80 + 3 * 100 + 3 * 120
@@ -60,9 +68,13 @@ def test_compare_two_policies_end_to_end(tmp_path: Path, tiny_model_dir: Path) -
     rr = rows["round_robin"]
     assert sorted(rr["requests_per_replica"].values()) == [4, 5]
     assert rr["cached_tokens"] == 496
-    assert rows["cache_aware"]["cached_tokens"] >= rr["cached_tokens"]
+    assert rows["cache_aware*2"]["cached_tokens"] >= rr["cached_tokens"]
+    # Two gateways on one index, requests alternating between them.
+    assert rows["cache_aware*2"]["note"] == ("2 gateways sharing the index; requests per "
+                                             "instance 5/4")
+    assert "note" not in rows["round_robin"] or "gateways" not in rows["round_robin"]["note"]
     md = (out / "report.md").read_text()
-    assert "| round_robin |" in md and "| cache_aware |" in md
+    assert "| round_robin |" in md and "| cache_aware*2 |" in md
     assert "index: redis" in md
     # Configured as a user would: `replica calibrate` against a sim, not its coefficients.
     profile = comparison.gateway_profile
@@ -199,6 +211,19 @@ def test_policy_variants_carry_their_own_settings_and_bad_ones_are_named() -> No
     for bad in ("cache_aware@work_weight", "cache_aware@name=random", "cache_aware@=1"):
         with pytest.raises(HarnessError, match="policy variant"):
             policy_variant(bad)
+
+
+def test_a_policy_can_name_its_own_count_of_instances() -> None:
+    assert instances("cache_aware", 1) == ("cache_aware", 1)
+    assert instances("cache_aware*4", 1) == ("cache_aware", 4)
+    assert instances("vllm-router:cache_aware*4", 2) == ("vllm-router:cache_aware", 4)
+    assert instances("cache_aware@work_weight=0*3", 1) == ("cache_aware@work_weight=0", 3)
+    args = _args("--out", "x", "--policies", "cache_aware,cache_aware*4",
+                 "--vllm-router", "cache_aware*4", "--smg", "none")
+    assert parse_policies(args) == ["cache_aware", "cache_aware*4", "vllm-router:cache_aware*4"]
+    for bad in ("cache_aware*0", "cache_aware*x", "*4"):
+        with pytest.raises(HarnessError, match="NAME\\*N"):
+            instances(bad, 1)
 
 
 def test_workload_flags_pick_per_workload_defaults() -> None:
