@@ -323,6 +323,18 @@ def router(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfile,
             yield urls, note
 
 
+def routers_line(policies: Sequence[str], default: int) -> str:
+    """How many instances each policy ran as, for the report."""
+    counts = {p: instances(p, default)[1] for p in policies}
+    base = (f"{default} instances per policy, requests round-robin over them" if default > 1
+            else "one instance per policy")
+    own = [p for p in policies if instances(p, default)[0] != p]
+    if not own:
+        return base
+    return (f"{base}, except {', '.join(f'{p} ({counts[p]})' for p in own)}; requests "
+            "round-robin over a policy's instances")
+
+
 def round_order(policies: Sequence[str], round_index: int) -> list[str]:
     """Round r runs the policies rotated by r: none always runs first on a fresh machine."""
     k = round_index % len(policies) if policies else 0
@@ -341,9 +353,7 @@ def _meta(args: argparse.Namespace, use_redis: bool, profile: GatewayProfile,
         "replicas": f"{args.replicas} x {args.replica_kind}, block size {args.block_size}, "
                     f"{args.kv_tokens} KV tokens each, profile {args.prefill_profile}",
         "index": "redis (private redis-server)" if use_redis else "memory",
-        "routers": (f"{getattr(args, 'gateways', 1)} instances per policy, requests "
-                    "round-robin over them" if getattr(args, "gateways", 1) > 1
-                    else "one instance per policy"),
+        "routers": routers_line(parse_policies(args), getattr(args, "gateways", 1)),
         "gateway profile": profile.describe(),
         "rounds": f"{args.repeats} (policies interleaved, rotated each round; caches and "
                   "index emptied before every run)",

@@ -14,6 +14,7 @@ from loadgen.compare import (
     instances,
     parse_policies,
     round_order,
+    routers_line,
     run_comparison,
     runnable,
 )
@@ -221,6 +222,11 @@ def test_a_policy_can_name_its_own_count_of_instances() -> None:
     args = _args("--out", "x", "--policies", "cache_aware,cache_aware*4",
                  "--vllm-router", "cache_aware*4", "--smg", "none")
     assert parse_policies(args) == ["cache_aware", "cache_aware*4", "vllm-router:cache_aware*4"]
+    assert routers_line(["cache_aware", "cache_aware*4"], 1) == (
+        "one instance per policy, except cache_aware*4 (4); requests round-robin over a "
+        "policy's instances")
+    assert routers_line(["cache_aware"], 2) == (
+        "2 instances per policy, requests round-robin over them")
     for bad in ("cache_aware*0", "cache_aware*x", "*4"):
         with pytest.raises(HarnessError, match="NAME\\*N"):
             instances(bad, 1)
