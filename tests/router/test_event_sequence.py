@@ -11,7 +11,14 @@ import time
 
 from router.events.sequence import Apply, Clear, Plan, SequenceTracker
 from router.events.stats import StreamStats
-from router.kv_events import BlockRemoved, BlockStored, EventBatch, KVEvent, encode_batch
+from router.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    encode_batch,
+)
 
 
 def stored(key: int, parent: int | None = None) -> BlockStored:
@@ -222,6 +229,33 @@ def test_first_contact_rebuilds_from_the_replay_buffer() -> None:
     # The clear drops whatever an earlier indexer left; the replay rebuilds the rest.
     assert receive(tracker, replica.publish()) == ["clear", "replay from 0"]
     assert replayed(tracker, replica.replay(0)) == [0, 1, 2]
+
+
+def test_a_replay_starts_at_the_last_batch_that_clears_the_replica() -> None:
+    # Batches before an AllBlocksCleared change nothing once it is applied; replaying
+    # them would only show lookups the replica's old blocks while the replay runs.
+    replica, (tracker, stats) = Replica(), tracking()
+    replica.publish()
+    replica.publish(AllBlocksCleared(), stored(7))
+    replica.publish()
+    assert receive(tracker, replica.publish()) == ["clear", "replay from 0"]
+    assert replayed(tracker, replica.replay(0)) == [1, 2, 3]
+    # The batch that made contact clears the replica itself (the first step after a
+    # reset): nothing before it is replayed.
+    replica, (tracker, stats) = Replica(), tracking()
+    replica.publish()
+    replica.publish()
+    assert receive(tracker, replica.publish(AllBlocksCleared(), stored(9))) == [
+        "clear", "replay from 0"]
+    assert replayed(tracker, replica.replay(0)) == [2]
+    assert (stats.replays, stats.last_seq) == (1, 2)
+    # A gap is filled the same way.
+    replica, (tracker, stats) = Replica(), tracking()
+    receive(tracker, replica.publish())
+    replica.publish()  # lost by PUB
+    replica.publish(AllBlocksCleared())  # lost by PUB
+    assert receive(tracker, replica.publish()) == ["replay from 0"]
+    assert replayed(tracker, replica.replay(0)) == [2, 3]
 
 
 def test_after_losing_sync_the_next_batch_rebuilds_from_the_replay_buffer() -> None:
