@@ -57,8 +57,9 @@ class PolicyConfig:
     `work_relative` charges only the prefill above the least it could cost on any
     candidate (False, the default: all of it; see docs/POLICY.md for the measurement).
     `share_work`: with a Redis index, gateways share their outstanding work through it
-    (router/shared_work.py), so each weighs the others' queues too (False, the default:
-    measured, it did not pay on this machine; see docs/POLICY.md).
+    (router/shared_work.py), so each weighs the others' queues too (True, the default:
+    4 gateways' p50 back to one's; False for fleets of hundreds of replicas behind many
+    gateways, where the per-request read costs more; see docs/POLICY.md).
     `weights` overrides the policy's scorer weights by
     scorer name.
     """
@@ -80,7 +81,7 @@ class PolicyConfig:
     pending_ttl_s: float = 10.0
     work_weight: float = 1.0
     work_relative: bool = False
-    share_work: bool = False
+    share_work: bool = True
 
 
 @dataclass(frozen=True)
