@@ -1,7 +1,7 @@
 """What the gateway adds to a request, where that time goes, and routed requests per second.
 
     .venv/bin/python benchmarks/bench_gateway.py [--rounds 5] [--per-round 12]
-        [--model-dir DIR] [--cold-sizes 8192] [--seconds 5]
+        [--model-dir DIR] [--cold-sizes 8192] [--seconds 5] [--workers 2]
 
 Three requests, as issue #13 sets their targets: an 8k-token token-id prompt, cold (a
 fresh first block, so every block is new); a conversation growing 256 tokens a turn at
@@ -23,6 +23,10 @@ replica costs next to nothing and what the routers add is what shows.
    the HTTP server and client, the event loop, the upstream connection.
 3. Routed requests/s with 64 concurrent clients and 256-token prompts (--seconds 0 skips).
 
+--workers N adds a second gateway as production runs it: N worker processes
+(listen.workers) on a private redis-server index fed by an indexer process; it takes
+part in 2 and 3 like every other target (the in-process profile is the memory index's).
+
 Every router and replica is a separate process. --model-dir defaults to a tiny model
 built into a temporary directory (python -m replica tiny-model).
 """
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -43,7 +48,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +59,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from replica.fleet import SimFleet  # noqa: E402
-from replica.processes import free_port, stop_process, wait_until  # noqa: E402
+from replica.processes import (  # noqa: E402
+    free_port,
+    redis_server,
+    stop_process,
+    wait_until,
+)
 from router.config import LimitsConfig, TenantsConfig  # noqa: E402
 from router.hashing import HashConfig  # noqa: E402
 from router.index import MemoryIndex  # noqa: E402
@@ -213,6 +223,7 @@ class Router:
     name: str
     url: str
     proc: subprocess.Popen[bytes] | None = None
+    helpers: list[subprocess.Popen[bytes]] = field(default_factory=list)  # its indexer
 
 
 def start_process(cmd: list[str], ready_url: str, log_path: Path,
@@ -229,7 +240,11 @@ def start_process(cmd: list[str], ready_url: str, log_path: Path,
     return proc
 
 
-def start_cacheroute(fleet: SimFleet, tmp: Path, model_dir: str, repo: Path = REPO) -> Router:
+def start_cacheroute(fleet: SimFleet, tmp: Path, model_dir: str, repo: Path = REPO,
+                     redis_url: str | None = None, workers: int = 1) -> Router:
+    """A gateway on the sims: on a memory index it feeds itself from the KV events; on
+    `redis_url` with `workers` processes, with an indexer process feeding the index (the
+    production layout)."""
     port = free_port()
     raw: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": port},
@@ -237,17 +252,27 @@ def start_cacheroute(fleet: SimFleet, tmp: Path, model_dir: str, repo: Path = RE
         "replicas": [{"url": r.url, "models": [MODEL], "block_size": BLOCK_SIZE,
                       "hash_seed": "0", "kv_events": r.kv_events_endpoint,
                       "kv_replay": r.replay_endpoint} for r in fleet.replicas],
-        "index": {"backend": "memory", "deadline_ms": 50},
+        "index": {"backend": redis_url or "memory", "deadline_ms": 50},
         "tenants": {"allow_anonymous": True},
         "proxy": {"max_body_bytes": 64 * 1024 * 1024},
         "limits": {"max_tokens_limit": 16},
     }
-    path = tmp / "gateway.yaml"
+    name = "cacheroute" if redis_url is None else f"cacheroute redis {workers}w"
+    stem = name.replace(" ", "-")
+    if redis_url is not None:
+        raw["listen"]["workers"] = workers
+    path = tmp / f"{stem}.yaml"
     path.write_text(yaml.safe_dump(raw))
+    helpers = []
+    if redis_url is not None:
+        with open(tmp / f"{stem}-indexer.log", "wb") as log:
+            helpers.append(subprocess.Popen(
+                [sys.executable, "-m", "router", "indexer", "--config", str(path),
+                 "--log-level", "WARNING"], cwd=repo, stdout=log, stderr=subprocess.STDOUT))
     proc = start_process([sys.executable, "-m", "router", "serve", "--config", str(path),
                           "--log-level", "WARNING"], f"http://127.0.0.1:{port}/ready",
-                         tmp / "gateway.log", cwd=repo)
-    return Router("cacheroute", f"http://127.0.0.1:{port}", proc)
+                         tmp / f"{stem}.log", cwd=repo)
+    return Router(name, f"http://127.0.0.1:{port}", proc, helpers)
 
 
 def start_vllm_router(fleet: SimFleet, tmp: Path, policy: str) -> Router | None:
@@ -376,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--model-dir", help="a model directory (python -m replica tiny-model)")
     parser.add_argument("--no-peers", action="store_true", help="leave vllm-router out")
+    parser.add_argument("--workers", type=int, default=0, metavar="N",
+                        help="also run a gateway of N worker processes on a private Redis "
+                        "index with its indexer (production's layout; 0: not)")
     parser.add_argument("--gateway-repo", type=Path, default=REPO,
                         help="run the gateway from this checkout (a before/after comparison)")
     args = parser.parse_args(argv)
@@ -392,11 +420,15 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(int(s) for s in args.cold_sizes.split(",")) + \
         args.size + TURN_TOKENS * (args.per_round + 2)
     routers: list[Router] = []
-    with SimFleet(args.replicas, block_size=BLOCK_SIZE, num_blocks=longest * 8 // BLOCK_SIZE,
+    with contextlib.ExitStack() as stack, SimFleet(args.replicas, block_size=BLOCK_SIZE, num_blocks=longest * 8 // BLOCK_SIZE,
                   prefill_profile="instant", served_model_name=MODEL, model_dir=model_dir,
                   extra_args=["--max-model-len", str(MAX_MODEL_LEN)]) as fleet:
+        redis = stack.enter_context(redis_server(tmp / "redis.log")) if args.workers else None
         try:
             routers.append(start_cacheroute(fleet, tmp, model_dir, args.gateway_repo))
+            if redis is not None:
+                routers.append(start_cacheroute(fleet, tmp, model_dir, args.gateway_repo,
+                                                redis.url, args.workers))
             for policy in () if args.no_peers else ("cache_aware", "kv_aware"):
                 r = start_vllm_router(fleet, tmp, policy)
                 if r is not None:
@@ -416,8 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"   {name:<24} {rps:8.0f} req/s")
         finally:
             for r in routers:
-                if r.proc is not None:
-                    stop_process(r.proc)
+                for proc in [*([r.proc] if r.proc is not None else []), *r.helpers]:
+                    stop_process(proc)
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
