@@ -303,6 +303,7 @@ def _policy(s: _Section) -> PolicyConfig:
         work_weight=s.get("work_weight", _nonneg_number, d.work_weight),
         work_relative=s.get("work_relative", _bool, d.work_relative),
         share_work=s.get("share_work", _bool, d.share_work),
+        spread_ties=s.get("spread_ties", _bool, d.spread_ties),
     )
     if out.kv_threshold >= 1.0:
         raise ConfigError(s.sub("kv_threshold"), f"must be below 1.0, got {out.kv_threshold!r}")

@@ -73,11 +73,16 @@ class ToleranceSampler:
     def __init__(self, tolerance: float) -> None:
         self.tolerance = tolerance
 
-    def rank(self, scores: Mapping[str, float], rng: random.Random) -> tuple[str, ...]:
+    def rank(self, scores: Mapping[str, float], rng: random.Random,
+             queued: Mapping[str, float] | None = None) -> tuple[str, ...]:
+        """`queued` (policy.spread_ties): each replica's work queued ahead, in units of
+        the request's cold prefill; a near-equal replica is sampled 1 / (1 + queued) as
+        often, so near-ties go to the replica with less work ahead."""
         best = max(scores.values())
         line = best / (1.0 + self.tolerance) - _TIE_EPSILON
         near = sorted(rid for rid, s in scores.items() if s >= line)
-        weights = [max(scores[rid], _TIE_EPSILON) for rid in near]
+        weights = [max(scores[rid], _TIE_EPSILON) / (1.0 + (queued or {}).get(rid, 0.0))
+                   for rid in near]
         chosen = rng.choices(near, weights=weights, k=1)[0]
         rest = _by_score([rid for rid in scores if rid != chosen], scores, rng)
         return (chosen, *rest)

@@ -90,7 +90,12 @@ class Policy:
         }
         candidates = Candidates(request, tuple(eligible), MappingProxyType(estimates))
         scores = combine(self.scorers, candidates)
-        ranked = self.picker.rank(scores, self.rng)
+        if self.config.spread_ties and isinstance(self.picker, ToleranceSampler):
+            unit = max((e.prefill_s for e in estimates.values()), default=0.0) or 1.0
+            ranked = self.picker.rank(scores, self.rng, queued={
+                rid: e.queue_s / unit for rid, e in estimates.items()})
+        else:
+            ranked = self.picker.rank(scores, self.rng)
         chosen = ranked[0]
         return RoutingDecision(
             replica_id=chosen,

@@ -202,6 +202,23 @@ def test_herding_sampled_within_tolerance_of_one_prefill_only() -> None:
     assert set(counts) == {"r0", "r1"}
 
 
+def test_spread_ties_samples_near_equals_less_where_work_waits() -> None:
+    # The first turn of a burst sharing one prefix: r0 holds it (pending) behind a cold
+    # prefill's worth of queue; r1 is idle and cold. Near-equal costs, so both are sampled;
+    # with spread_ties the idle replica is taken about twice as often (1 / (1 + 1)).
+    states = fleet(2)
+    states["r0"] = replace(states["r0"], matched_blocks=FULL, queued_prefill_s=0.046)
+    d = policy().decide(request(), list(states.values()))
+    assert abs(d.costs["r0"] - d.costs["r1"]) < 0.1 * d.costs["r1"]
+    by_score, by_work = policy(seed=1), policy(seed=1, spread_ties=True)
+    plain = Counter(by_score.decide(request(), list(states.values())).replica_id
+                    for _ in range(600))
+    spread = Counter(by_work.decide(request(), list(states.values())).replica_id
+                     for _ in range(600))
+    assert 0.7 < plain["r1"] / plain["r0"] < 1.4
+    assert 1.4 < spread["r1"] / spread["r0"] < 2.6
+
+
 def test_weights_add_scorers() -> None:
     states = fleet(2)
     states["r0"] = replace(states["r0"], kv_usage=0.85)
