@@ -15,9 +15,12 @@ _TIE_EPSILON = 1e-12
 
 
 class Picker(Protocol):
-    """Orders replica ids by preference, chosen first."""
+    """Orders replica ids by preference, chosen first. `queued`: each replica's work
+    queued ahead, in units of the request's cold prefill, for pickers that weigh it
+    (None when the policy does not ask them to)."""
 
-    def rank(self, scores: Mapping[str, float], rng: random.Random) -> tuple[str, ...]: ...
+    def rank(self, scores: Mapping[str, float], rng: random.Random,
+             queued: Mapping[str, float] | None = None) -> tuple[str, ...]: ...
 
 
 def _by_score(ids: list[str], scores: Mapping[str, float], rng: random.Random) -> list[str]:
@@ -29,7 +32,8 @@ def _by_score(ids: list[str], scores: Mapping[str, float], rng: random.Random) -
 class BestPicker:
     """The highest score; equal best scores are broken at random."""
 
-    def rank(self, scores: Mapping[str, float], rng: random.Random) -> tuple[str, ...]:
+    def rank(self, scores: Mapping[str, float], rng: random.Random,
+             queued: Mapping[str, float] | None = None) -> tuple[str, ...]:
         best = max(scores.values())
         tied = sorted(rid for rid, s in scores.items() if s >= best - _TIE_EPSILON)
         chosen = rng.choice(tied)
@@ -40,7 +44,8 @@ class BestPicker:
 class RandomPicker:
     """Uniformly at random, ignoring scores."""
 
-    def rank(self, scores: Mapping[str, float], rng: random.Random) -> tuple[str, ...]:
+    def rank(self, scores: Mapping[str, float], rng: random.Random,
+             queued: Mapping[str, float] | None = None) -> tuple[str, ...]:
         ids = sorted(scores)
         rng.shuffle(ids)
         return tuple(ids)
@@ -52,7 +57,8 @@ class RoundRobinPicker:
     def __init__(self) -> None:
         self._next = 0
 
-    def rank(self, scores: Mapping[str, float], rng: random.Random) -> tuple[str, ...]:
+    def rank(self, scores: Mapping[str, float], rng: random.Random,
+             queued: Mapping[str, float] | None = None) -> tuple[str, ...]:
         ids = sorted(scores)
         start = self._next % len(ids)
         self._next += 1

@@ -90,12 +90,11 @@ class Policy:
         }
         candidates = Candidates(request, tuple(eligible), MappingProxyType(estimates))
         scores = combine(self.scorers, candidates)
-        if self.config.spread_ties and isinstance(self.picker, ToleranceSampler):
+        queued = None
+        if self.config.spread_ties:
             unit = max((e.prefill_s for e in estimates.values()), default=0.0) or 1.0
-            ranked = self.picker.rank(scores, self.rng, queued={
-                rid: e.queue_s / unit for rid, e in estimates.items()})
-        else:
-            ranked = self.picker.rank(scores, self.rng)
+            queued = {rid: e.queue_s / unit for rid, e in estimates.items()}
+        ranked = self.picker.rank(scores, self.rng, queued)
         chosen = ranked[0]
         return RoutingDecision(
             replica_id=chosen,
