@@ -82,13 +82,22 @@ class ToleranceSampler:
     def rank(self, scores: Mapping[str, float], rng: random.Random,
              queued: Mapping[str, float] | None = None) -> tuple[str, ...]:
         """`queued` (policy.spread_ties): each replica's work queued ahead, in units of
-        the request's cold prefill; a near-equal replica is sampled 1 / (1 + queued) as
-        often, so near-ties go to the replica with less work ahead."""
+        the request's cold prefill; among the near-equal replicas only those with the
+        least of it are sampled, so a near-tie goes to the replica with less work ahead.
+
+        Why not weigh by it instead: a burst sharing one prefix (turn one of many
+        sessions) ties between waiting behind the prefix's first request and a cold
+        prefill on an idle replica, and each session then stays where its history is. A
+        weighted draw (1 / (1 + queued), tried first) still left one of four idle
+        replicas without a session in about one burst in three, and idle for the whole
+        run; the least-queued near-equal fills every idle replica first."""
         best = max(scores.values())
         line = best / (1.0 + self.tolerance) - _TIE_EPSILON
         near = sorted(rid for rid, s in scores.items() if s >= line)
-        weights = [max(scores[rid], _TIE_EPSILON) / (1.0 + (queued or {}).get(rid, 0.0))
-                   for rid in near]
+        if queued:
+            least = min(queued.get(rid, 0.0) for rid in near)
+            near = [rid for rid in near if queued.get(rid, 0.0) <= least + _TIE_EPSILON]
+        weights = [max(scores[rid], _TIE_EPSILON) for rid in near]
         chosen = rng.choices(near, weights=weights, k=1)[0]
         rest = _by_score([rid for rid in scores if rid != chosen], scores, rng)
         return (chosen, *rest)

@@ -60,8 +60,8 @@ class PolicyConfig:
     (router/shared_work.py), so each weighs the others' queues too (True, the default:
     4 gateways' p50 back to one's; False for fleets of hundreds of replicas behind many
     gateways, where the per-request read costs more; see docs/POLICY.md).
-    `spread_ties`: cache_aware samples a near-equal replica less often the more work is
-    queued ahead there (False, the default: by score alone; an experiment, docs/POLICY.md).
+    `spread_ties`: among near-equal replicas cache_aware takes those with the least work
+    queued ahead (False, the default: sampled by score alone; docs/POLICY.md).
     `weights` overrides the policy's scorer weights by
     scorer name.
     """

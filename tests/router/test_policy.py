@@ -202,10 +202,10 @@ def test_herding_sampled_within_tolerance_of_one_prefill_only() -> None:
     assert set(counts) == {"r0", "r1"}
 
 
-def test_spread_ties_samples_near_equals_less_where_work_waits() -> None:
+def test_spread_ties_takes_the_near_equal_with_less_work_ahead() -> None:
     # The first turn of a burst sharing one prefix: r0 holds it (pending) behind a cold
-    # prefill's worth of queue; r1 is idle and cold. Near-equal costs, so both are sampled;
-    # with spread_ties the idle replica is taken about twice as often (1 / (1 + 1)).
+    # prefill's worth of queue; r1 is idle and cold. Near-equal costs: by score alone
+    # both are sampled; with spread_ties the idle replica is always taken.
     states = fleet(2)
     states["r0"] = replace(states["r0"], matched_blocks=FULL, queued_prefill_s=0.046)
     d = policy().decide(request(), list(states.values()))
@@ -216,7 +216,40 @@ def test_spread_ties_samples_near_equals_less_where_work_waits() -> None:
     spread = Counter(by_work.decide(request(), list(states.values())).replica_id
                      for _ in range(600))
     assert 0.7 < plain["r1"] / plain["r0"] < 1.4
-    assert 1.4 < spread["r1"] / spread["r0"] < 2.6
+    assert spread == {"r1": 600}
+    # Not near-equal (r0's queue is short, its hit saves most of a prefill): the hit wins
+    # with or without spread_ties; the setting only breaks near-ties.
+    states["r0"] = replace(states["r0"], queued_prefill_s=0.005)
+    assert {by_work.decide(request(), list(states.values())).replica_id
+            for _ in range(100)} == {"r0"}
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_spread_ties_gives_every_idle_replica_a_session_of_a_burst(seed: int) -> None:
+    # Eight agent sessions sharing a 4,800-token prefix (60 tokens each of their own)
+    # arrive at once on four idle replicas, priced as the calibrated sims; each routed
+    # request queues its predicted prefill there and its chain is pending there. A
+    # follower's wait behind the first is within tolerance of a cold prefill elsewhere,
+    # so by score alone the draw stacks them (seeds 0 and 9 leave a replica with none).
+    # Each session then stays where its history is, so turn one decides the whole
+    # run's balance: with spread_ties every replica gets two, every seed.
+    prompt, shared = request(4860), 4800 // 16
+
+    def burst(config: PolicyConfig) -> list[int]:
+        p = build_policy(config, random.Random(seed))
+        states = fleet(4)
+        for _ in range(8):
+            rid = p.decide(prompt, list(states.values())).replica_id
+            st_ = states[rid]
+            prefill = estimate_ttft(prompt, st_, 0.0, config).prefill_s
+            states[rid] = replace(st_, matched_blocks=shared, inflight=st_.inflight + 1,
+                                  queued_prefill_s=st_.queued_prefill_s + prefill)
+        return sorted(s.inflight for s in states.values())
+
+    calibrated = PrefillProfile(base_s=0.008, per_token_s=6.6e-5, per_token_context_s=4e-9)
+    assert burst(PolicyConfig(prefill=calibrated, spread_ties=True)) == [2, 2, 2, 2]
+    if seed in (0, 9):
+        assert burst(PolicyConfig(prefill=calibrated))[0] == 0
 
 
 def test_weights_add_scorers() -> None:
