@@ -114,7 +114,15 @@ def gateway_config(policy: str, fleet: TargetFleet, port: int, index: str, model
     policy_section: dict[str, Any] = {"name": policy, "seed": seed}
     if prefill is not None:
         policy_section["prefill"] = prefill
-    return {
+    other: dict[str, dict[str, Any]] = {}
+    policy_keys: dict[str, Any] = {}
+    for key, value in (overrides or {}).items():
+        section, dot, name = key.partition(".")
+        if dot:  # `health.scrape_interval_s`: a key of another section
+            other.setdefault(section, {})[name] = value
+        else:
+            policy_keys[key] = value
+    config: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": port},
         "models": {MODEL_NAME: {"tokenizer": str(model_dir), "max_model_len": fleet.max_model_len}},
         "replicas": [
@@ -124,11 +132,18 @@ def gateway_config(policy: str, fleet: TargetFleet, port: int, index: str, model
             for r in fleet.replicas
         ],
         "index": {"backend": index, **(index_overrides or {})},
-        "policy": {**policy_section, **(overrides or {})},
+        "policy": {**policy_section, **policy_keys},
         "tenants": {"allow_anonymous": True},
         "proxy": {"expose_routing_headers": True},
         "health": {"interval_s": 0.5, "scrape_interval_s": 0.25},
     }
+    for section, keys in other.items():
+        config[section] = {**config[section], **keys}
+    return config
+
+
+# Sections of gateway.yaml other than `policy:` a variant may set (SECTION.KEY=VALUE).
+VARIANT_SECTIONS = ("health", "proxy", "limits")
 
 
 def policy_variant(policy: str) -> tuple[str, dict[str, Any]]:
@@ -136,15 +151,20 @@ def policy_variant(policy: str) -> tuple[str, dict[str, Any]]:
 
     A variant is one of our policies with `policy:` keys of its own, so settings can be
     compared interleaved in one run (the machine's noise moves between runs, not within
-    a round) instead of in separate runs with --policy-set.
+    a round) instead of in separate runs with --policy-set. `SECTION.KEY=VALUE` sets a
+    key of another section (`cache_aware@health.scrape_interval_s=1`).
     """
     name, *pairs = policy.split("@")
     out: dict[str, Any] = {}
     for item in pairs:
         key, sep, value = item.partition("=")
         key = key.strip()
-        if not sep or not key or key == "name":
-            raise HarnessError(f"policy variant {policy!r}: want NAME@KEY=VALUE, got {item!r}")
+        section, dot, inner = key.partition(".")
+        if not sep or not key or key == "name" or (
+                dot and (section not in VARIANT_SECTIONS or not inner)):
+            raise HarnessError(f"policy variant {policy!r}: want NAME@KEY=VALUE (KEY a "
+                               f"policy key, or SECTION.KEY for SECTION in "
+                               f"{', '.join(VARIANT_SECTIONS)}), got {item!r}")
         out[key] = yaml.safe_load(value)
     return name, out
 

@@ -209,7 +209,16 @@ def test_policy_variants_carry_their_own_settings_and_bad_ones_are_named() -> No
     assert parse_policies(args) == ["round_robin", "cache_aware@work_weight=0"]
     with pytest.raises(SystemExit, match="unknown policy 'nope@work_weight=0'"):
         parse_policies(_args("--out", "x", "--policies", "nope@work_weight=0"))
-    for bad in ("cache_aware@work_weight", "cache_aware@name=random", "cache_aware@=1"):
+    name, variant = policy_variant("cache_aware@health.scrape_interval_s=1@tolerance=0.2")
+    assert variant == {"health.scrape_interval_s": 1, "tolerance": 0.2}
+    fleet = TargetFleet([TargetReplica("sim-0", "http://127.0.0.1:1", None, None)],
+                        block_size=16, blocks_per_replica=10, max_model_len=512,
+                        stop=lambda: None)
+    cfg = gateway_config(name, fleet, 9000, "memory", Path("/m"), 0, None, variant)
+    assert cfg["health"] == {"interval_s": 0.5, "scrape_interval_s": 1}
+    assert cfg["policy"]["tolerance"] == 0.2 and "health.scrape_interval_s" not in cfg["policy"]
+    for bad in ("cache_aware@work_weight", "cache_aware@name=random", "cache_aware@=1",
+                "cache_aware@listen.port=1", "cache_aware@health.=1"):
         with pytest.raises(HarnessError, match="policy variant"):
             policy_variant(bad)
 
