@@ -355,6 +355,9 @@ def _meta(args: argparse.Namespace, use_redis: bool, profile: GatewayProfile,
         "index": "redis (private redis-server)" if use_redis else "memory",
         "routers": routers_line(parse_policies(args), getattr(args, "gateways", 1)),
         "gateway profile": profile.describe(),
+        "gateway settings": "defaults (health checks every 2 s, scrapes every 1 s), routing "
+                            "headers exposed, and what a policy variant or --policy-set "
+                            "names",
         "rounds": f"{args.repeats} (policies interleaved, rotated each round; caches and "
                   "index emptied before every run)",
         "pacing": (f"closed loop, concurrency {args.concurrency}" if args.mode == "closed"

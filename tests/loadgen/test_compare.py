@@ -215,10 +215,13 @@ def test_policy_variants_carry_their_own_settings_and_bad_ones_are_named() -> No
                         block_size=16, blocks_per_replica=10, max_model_len=512,
                         stop=lambda: None)
     cfg = gateway_config(name, fleet, 9000, "memory", Path("/m"), 0, None, variant)
-    assert cfg["health"] == {"interval_s": 0.5, "scrape_interval_s": 1}
+    assert cfg["health"] == {"scrape_interval_s": 1}
     assert cfg["policy"]["tolerance"] == 0.2 and "health.scrape_interval_s" not in cfg["policy"]
+    assert gateway_config(name, fleet, 9000, "memory", Path("/m"), 0, None,
+                          {"listen.workers": 2})["listen"] == {
+        "host": "127.0.0.1", "port": 9000, "workers": 2}
     for bad in ("cache_aware@work_weight", "cache_aware@name=random", "cache_aware@=1",
-                "cache_aware@listen.port=1", "cache_aware@health.=1"):
+                "cache_aware@listen.port=1", "cache_aware@health.=1", "cache_aware@tenants.x=1"):
         with pytest.raises(HarnessError, match="policy variant"):
             policy_variant(bad)
 
