@@ -22,6 +22,10 @@ replica costs next to nothing and what the routers add is what shows.
    spread (min..max). "proxy+HTTP" is cacheroute's added p50 minus its in-process stages:
    the HTTP server and client, the event loop, the upstream connection.
 3. Routed requests/s with 64 concurrent clients and 256-token prompts (--seconds 0 skips).
+4. CPU per routed request: the user + system time each router's processes use over
+   --cpu-requests streamed conversation turns, 8 at a time (the shape of the agent
+   workload's bursts); the routers take turns each round. On a machine whose cores the
+   sims and clients share, what a router burns per request slows everything else.
 
 --workers N adds a second gateway as production runs it: N worker processes
 (listen.workers) on a private redis-server index fed by an indexer process; it takes
@@ -380,6 +384,74 @@ async def throughput(url: str, seconds: float, concurrency: int) -> float:
         return done / (time.perf_counter() - started)
 
 
+# ------------------------------------------------------- 4. CPU per routed request
+
+
+def process_cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds the processes have used so far (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (a gateway's workers)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+async def streamed_burst(url: str, requests: int, concurrency: int, size: int,
+                         seed: int) -> None:
+    """`requests` streamed conversation turns (token ids, `size` tokens growing 256 a
+    turn, 16 tokens out, usage asked for), `concurrency` conversations at a time."""
+    per_client = requests // concurrency
+
+    async def client(session: aiohttp.ClientSession, rng: random.Random) -> None:
+        history = _ids(rng, size)
+        for _ in range(per_client):
+            body = {"model": MODEL, "prompt": list(history), "max_tokens": 16,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                async for _chunk in resp.content.iter_any():
+                    pass
+                if resp.status != 200:
+                    raise RuntimeError(f"{url}: HTTP {resp.status}")
+            history += _ids(rng, TURN_TOKENS)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        await asyncio.gather(*(client(session, random.Random(f"{seed}-{i}"))
+                               for i in range(concurrency)))
+
+
+def cpu_per_request(routers: list[Router], rounds: int, requests: int, concurrency: int,
+                    size: int) -> dict[str, list[float]]:
+    """Router -> CPU seconds per request of its processes, one figure per round; the
+    routers take turns within each round."""
+    out: dict[str, list[float]] = {r.name: [] for r in routers if r.proc is not None}
+    for round_ in range(rounds):
+        for r in routers:
+            if r.proc is None:
+                continue
+            pids = [r.proc.pid, *_children(r.proc.pid), *(h.pid for h in r.helpers)]
+            asyncio.run(streamed_burst(r.url, concurrency, concurrency, size, -1 - round_))
+            before = process_cpu_s(pids)
+            asyncio.run(streamed_burst(r.url, requests, concurrency, size, round_))
+            out[r.name].append((process_cpu_s(pids) - before) / requests)
+    return out
+
+
 def tiny_model(tmp: Path) -> str:
     out = tmp / "tiny-model"
     subprocess.run([sys.executable, "-m", "replica", "tiny-model", "--out", str(out)],
@@ -404,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=0, metavar="N",
                         help="also run a gateway of N worker processes on a private Redis "
                         "index with its indexer (production's layout; 0: not)")
+    parser.add_argument("--cpu-requests", type=int, default=160,
+                        help="streamed requests per router and round for the CPU figure "
+                        "(0: skip it)")
     parser.add_argument("--gateway-repo", type=Path, default=REPO,
                         help="run the gateway from this checkout (a before/after comparison)")
     args = parser.parse_args(argv)
@@ -446,6 +521,15 @@ def main(argv: list[str] | None = None) -> int:
                 for name, url in targets:
                     rps = asyncio.run(throughput(url, args.seconds, args.concurrency))
                     print(f"   {name:<24} {rps:8.0f} req/s")
+            if args.cpu_requests > 0:
+                cpu = cpu_per_request(routers, args.rounds, args.cpu_requests, 8, 4096)
+                print(f"\n4) CPU per routed request (ms; user + system time of the router's "
+                      f"processes, its indexer included, over {args.cpu_requests} streamed "
+                      f"requests: 8 conversations at a time, token ids from 4k growing 256 a "
+                      f"turn, 16 tokens out); median over rounds [min..max]")
+                for name, values in cpu.items():
+                    print(f"   {name:<24} {statistics.median(values) * 1000:8.2f} "
+                          f"[{min(values) * 1000:.2f}..{max(values) * 1000:.2f}]")
         finally:
             for r in routers:
                 for proc in [*([r.proc] if r.proc is not None else []), *r.helpers]:
