@@ -117,9 +117,9 @@ def gateway_config(policy: str, fleet: TargetFleet, port: int, index: str, model
     other: dict[str, dict[str, Any]] = {}
     policy_keys: dict[str, Any] = {}
     for key, value in (overrides or {}).items():
-        section, dot, name = key.partition(".")
-        if dot:  # `health.scrape_interval_s`: a key of another section
-            other.setdefault(section, {})[name] = value
+        section, inner = _section_key(key)
+        if section != "policy":  # `health.scrape_interval_s`: a key of another section
+            other.setdefault(section, {})[inner] = value
         else:
             policy_keys[key] = value
     config: dict[str, Any] = {
@@ -152,6 +152,18 @@ VARIANT_SECTIONS = ("health", "proxy", "limits", "listen")
 _HARNESS_KEYS = ("listen.host", "listen.port")
 
 
+def _section_key(key: str) -> tuple[str, str]:
+    """("policy", key) for a policy key; (SECTION, KEY) for `SECTION.KEY` naming a key of
+    one of VARIANT_SECTIONS; a HarnessError for anything else."""
+    section, dot, inner = key.partition(".")
+    if not dot:
+        return "policy", key
+    if section not in VARIANT_SECTIONS or not inner or key in _HARNESS_KEYS:
+        raise HarnessError(f"setting {key!r}: want a policy key, or SECTION.KEY for SECTION "
+                           f"in {', '.join(VARIANT_SECTIONS)} (not {', '.join(_HARNESS_KEYS)})")
+    return section, inner
+
+
 def policy_variant(policy: str) -> tuple[str, dict[str, Any]]:
     """`cache_aware@work_weight=0@hot_cost_s=0.5` -> ("cache_aware", {those keys}).
 
@@ -165,12 +177,12 @@ def policy_variant(policy: str) -> tuple[str, dict[str, Any]]:
     for item in pairs:
         key, sep, value = item.partition("=")
         key = key.strip()
-        section, dot, inner = key.partition(".")
-        if not sep or not key or key == "name" or key in _HARNESS_KEYS or (
-                dot and (section not in VARIANT_SECTIONS or not inner)):
-            raise HarnessError(f"policy variant {policy!r}: want NAME@KEY=VALUE (KEY a "
-                               f"policy key, or SECTION.KEY for SECTION in "
-                               f"{', '.join(VARIANT_SECTIONS)}), got {item!r}")
+        if not sep or not key or key == "name":
+            raise HarnessError(f"policy variant {policy!r}: want NAME@KEY=VALUE, got {item!r}")
+        try:
+            _section_key(key)
+        except HarnessError as exc:
+            raise HarnessError(f"policy variant {policy!r}: {exc}") from None
         out[key] = yaml.safe_load(value)
     return name, out
 
@@ -186,6 +198,8 @@ def config_overrides(args: argparse.Namespace, dest: str = "policy_set") -> dict
             raise HarnessError(f"{flag} wants KEY=VALUE, got {item!r}")
         if key in ("name", "backend"):
             raise HarnessError(f"{flag} cannot change {key}; use --policies / --index")
+        if dest == "policy_set":
+            _section_key(key)
         out[key] = yaml.safe_load(value)
     return out
 

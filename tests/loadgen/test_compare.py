@@ -187,7 +187,7 @@ def test_policy_set_overrides_the_gateway_policy() -> None:
                          overrides)
     assert cfg["policy"]["name"] == "cache_aware" and cfg["policy"]["load_cost_s"] == 0.25
     assert config_overrides(_args("--out", "x")) == {}
-    for bad in ("load_cost_s", "name=random"):
+    for bad in ("load_cost_s", "name=random", "nope.x=1", "listen.port=1"):
         with pytest.raises(HarnessError):
             config_overrides(_args("--out", "x", "--policy-set", bad))
     index = config_overrides(_args("--out", "x", "--index-set", "deadline_ms=100"), "index_set")
