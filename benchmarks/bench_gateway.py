@@ -64,6 +64,8 @@ sys.path.insert(0, str(REPO))
 
 from replica.fleet import SimFleet  # noqa: E402
 from replica.processes import (  # noqa: E402
+    children,
+    cpu_seconds,
     free_port,
     redis_server,
     stop_process,
@@ -387,36 +389,12 @@ async def throughput(url: str, seconds: float, concurrency: int) -> float:
 # ------------------------------------------------------- 4. CPU per routed request
 
 
-def process_cpu_s(pids: list[int]) -> float:
-    """User + system CPU seconds the processes have used so far (Linux /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (a gateway's workers)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    return out
-
-
 async def streamed_burst(url: str, requests: int, concurrency: int, size: int,
-                         seed: int) -> None:
-    """`requests` streamed conversation turns (token ids, `size` tokens growing 256 a
-    turn, 16 tokens out, usage asked for), `concurrency` conversations at a time."""
-    per_client = requests // concurrency
+                         seed: int) -> int:
+    """About `requests` streamed conversation turns (token ids, `size` tokens growing 256
+    a turn, 16 tokens out, usage asked for), `concurrency` conversations at a time; how
+    many it sent."""
+    per_client = max(1, requests // concurrency)
 
     async def client(session: aiohttp.ClientSession, rng: random.Random) -> None:
         history = _ids(rng, size)
@@ -433,6 +411,7 @@ async def streamed_burst(url: str, requests: int, concurrency: int, size: int,
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         await asyncio.gather(*(client(session, random.Random(f"{seed}-{i}"))
                                for i in range(concurrency)))
+    return per_client * concurrency
 
 
 def cpu_per_request(routers: list[Router], rounds: int, requests: int, concurrency: int,
@@ -444,11 +423,11 @@ def cpu_per_request(routers: list[Router], rounds: int, requests: int, concurren
         for r in routers:
             if r.proc is None:
                 continue
-            pids = [r.proc.pid, *_children(r.proc.pid), *(h.pid for h in r.helpers)]
+            pids = [r.proc.pid, *children(r.proc.pid), *(h.pid for h in r.helpers)]
             asyncio.run(streamed_burst(r.url, concurrency, concurrency, size, -1 - round_))
-            before = process_cpu_s(pids)
-            asyncio.run(streamed_burst(r.url, requests, concurrency, size, round_))
-            out[r.name].append((process_cpu_s(pids) - before) / requests)
+            before = sum(cpu_seconds(pid) for pid in pids)
+            sent = asyncio.run(streamed_burst(r.url, requests, concurrency, size, round_))
+            out[r.name].append((sum(cpu_seconds(pid) for pid in pids) - before) / sent)
     return out
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import time
@@ -27,16 +26,8 @@ import httpx
 
 from replica.engine import Engine, EngineConfig, EngineRequest
 from replica.fleet import SimFleet
+from replica.processes import cpu_seconds
 from router.hashing import HashConfig
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 async def drive(urls: list[str], rate: float, duration: float, prompt_len: int,

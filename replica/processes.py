@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import random
 import shutil
 import signal
@@ -133,6 +134,27 @@ def wait_for_port(port: int, timeout: float = 30.0, proc: subprocess.Popen[bytes
     """Block until something accepts TCP connections on host:port, or fail."""
     wait_until(lambda: port_open(port, host), timeout, f"{host}:{port} to accept connections",
                proc=proc)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a running process has used, from /proc/PID/stat (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # the name in () may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    """Ids of the running processes whose parent is `pid` (Linux /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue  # gone since the listing, or not ours to read
+    return out
 
 
 def stop_process(proc: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> int:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
-from replica.processes import _ephemeral_low, free_port
+from replica.processes import _ephemeral_low, children, cpu_seconds, free_port, stop_process
 
 
 def test_free_ports_are_below_the_ephemeral_range_and_bindable() -> None:
@@ -24,3 +27,26 @@ def test_free_port_never_hands_out_one_port_twice_before_servers_bind() -> None:
     # A 32-sim fleet picks ~100 ports before any of its servers binds one: none repeats.
     ports = [free_port() for _ in range(400)]
     assert len(set(ports)) == len(ports)
+
+
+def test_cpu_seconds_counts_a_child_s_work_and_children_finds_it() -> None:
+    # The child spins until it has used 0.3 s of CPU by its own clock, then says so and
+    # waits for its stdin to close: no sleep on either side.
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "while time.process_time() < 0.3: pass\n"
+         "print('spun', flush=True)\n"
+         "sys.stdin.read()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"spun\n"
+        assert child.pid in children(os.getpid())
+        # /proc counts whole clock ticks (10 ms) and splits them between user and
+        # system; process_time does not: allow a few ticks.
+        assert cpu_seconds(child.pid) >= 0.25
+        assert cpu_seconds(os.getpid()) > 0
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        stop_process(child)
