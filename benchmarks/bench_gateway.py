@@ -503,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.cpu_requests > 0:
                 cpu = cpu_per_request(routers, args.rounds, args.cpu_requests, 8, 4096)
                 print(f"\n4) CPU per routed request (ms; user + system time of the router's "
-                      f"processes, its indexer included, over {args.cpu_requests} streamed "
+                      f"processes, its indexer included, over "
+                      f"{max(1, args.cpu_requests // 8) * 8} streamed "
                       f"requests: 8 conversations at a time, token ids from 4k growing 256 a "
                       f"turn, 16 tokens out); median over rounds [min..max]")
                 for name, values in cpu.items():
