@@ -364,33 +364,95 @@ class Forwarder:
 
     async def _events_after_commit(self, reader: SSEReader, state: StreamState,
                                    replica: Replica) -> AsyncIterator[bytes]:
-        """Upstream events after the first byte; a failure now ends the stream with an
-        SSE error event, because the client has already seen part of the answer."""
-        while True:
-            try:
-                async with asyncio.timeout(self.settings.idle_timeout_s):
-                    event = await reader.next_event()
-            except TimeoutError:
-                reason, detail = "idle_timeout", f"no data for {self.settings.idle_timeout_s:.1f}s"
-            except (aiohttp.ClientError, ConnectionError) as exc:
-                reason, detail = "reset", f"{type(exc).__name__}: {exc}"
-            else:
-                if event is None:
-                    return
-                out, _ = state.process(event)
-                if out is not None:
-                    yield out
-                continue
-            state.outcome.error = f"{reason}: {detail}"
-            self._metrics.record_upstream_failure(replica.replica_id, reason)
-            if self._fleet.report_failure(replica, reason):
-                self._metrics.record_ejection(replica.replica_id)
-            log.warning("upstream %s failed mid-stream: %s", replica.replica_id, detail)
-            err = error_payload(f"upstream replica failed mid-stream ({reason})",
-                                "upstream_error", code=502)
-            yield b"data: " + json.dumps(err).encode() + b"\n\n"
-            yield DONE
+        """Upstream events after the first byte, a run of them at a time; a failure now
+        ends the stream with an SSE error event, because the client has already seen
+        part of the answer."""
+        idle = IdleWatch(self.settings.idle_timeout_s)
+        try:
+            while True:
+                try:
+                    idle.reading()
+                    events = await reader.next_events()
+                except asyncio.CancelledError:
+                    if not idle.expired():
+                        raise
+                    reason = "idle_timeout"
+                    detail = f"no data for {self.settings.idle_timeout_s:.1f}s"
+                except (aiohttp.ClientError, ConnectionError) as exc:
+                    reason, detail = "reset", f"{type(exc).__name__}: {exc}"
+                else:
+                    if events is None:
+                        return
+                    idle.done_reading()
+                    out = state.process_run(events)
+                    if out:
+                        yield out
+                    continue
+                break
+        finally:
+            idle.close()
+        state.outcome.error = f"{reason}: {detail}"
+        self._metrics.record_upstream_failure(replica.replica_id, reason)
+        if self._fleet.report_failure(replica, reason):
+            self._metrics.record_ejection(replica.replica_id)
+        log.warning("upstream %s failed mid-stream: %s", replica.replica_id, detail)
+        err = error_payload(f"upstream replica failed mid-stream ({reason})",
+                            "upstream_error", code=502)
+        yield b"data: " + json.dumps(err).encode() + b"\n\n" + DONE
+
+
+class IdleWatch:
+    """Cancels the current task once no data arrived for `idle_s`: the idle timeout of
+    a stream that is being relayed.
+
+    Only time spent waiting for the replica counts, as with asyncio.timeout around each
+    read; but that would create and cancel a timer per event, where this keeps one
+    timer per idle period, and a read only moves a number (the timer, when it fires
+    early, sleeps again until the current read's deadline). Like
+    asyncio.timeout, it tells its own cancellation from another's (the client going
+    away) by the task's cancel count."""
+
+    def __init__(self, idle_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None, "IdleWatch runs inside a task"
+        self._task = task
+        self._idle_s = idle_s
+        self._last = self._loop.time()
+        self._waiting = False
+        self._fired = False
+        self._handle: asyncio.TimerHandle | None = self._loop.call_at(
+            self._last + idle_s, self._check)
+
+    def reading(self) -> None:
+        """A read starts now: the clock runs from here."""
+        self._last = self._loop.time()
+        self._waiting = True
+
+    def done_reading(self) -> None:
+        """Data arrived; writing it to the client does not count."""
+        self._waiting = False
+
+    def _check(self) -> None:
+        due = self._last + self._idle_s
+        if not self._waiting:
+            due = self._loop.time() + self._idle_s
+        if self._loop.time() < due:
+            self._handle = self._loop.call_at(due, self._check)
             return
+        self._handle = None
+        self._fired = True
+        self._task.cancel()
+
+    def expired(self) -> bool:
+        """After a CancelledError: whether it was this watch's, and so a timeout (the
+        cancellation is then taken back); False when someone else cancelled the task."""
+        return self._fired and self._task.uncancel() == 0
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 def _status_failure(status: int, text: str) -> UpstreamFailure:

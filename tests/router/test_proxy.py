@@ -175,6 +175,33 @@ async def endless(up: Upstream, request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def all_in_one_write(up: Upstream, request: web.Request) -> web.StreamResponse:
+    """A whole answer in one write, token ids in every chunk: the gateway reads it as one
+    run of events (router/upstream.py SSEReader.next_events) and must still open the
+    chunks that carry usage or token ids."""
+    resp = await _stream(request, b"".join([
+        sse(ROLE), sse(content("a", token_ids=[5])), sse(content("b", token_ids=[6])),
+        sse(content("c", token_ids=[7])), sse(USAGE), b"data: [DONE]\n\n"]))
+    await resp.write_eof()
+    return resp
+
+
+async def split_mid_event(up: Upstream, request: web.Request) -> web.StreamResponse:
+    """Events cut across writes: a run must end at an event's end, never inside one."""
+    whole = b"".join([sse(ROLE), sse(content("ab")), sse(content("cd")), sse(USAGE),
+                      b"data: [DONE]\n\n"])
+    cuts = [0, 30, whole.index(b"\n\n") + 1, len(whole) - 20, len(whole)]
+    resp = await _stream(request, *(whole[a:b] for a, b in zip(cuts, cuts[1:])))
+    await resp.write_eof()
+    return resp
+
+
+async def silent_after_first_token(up: Upstream, request: web.Request) -> web.StreamResponse:
+    resp = await _stream(request, sse(ROLE), sse(content("first")))
+    await up.release.wait()  # the replica stalls mid-answer
+    return resp
+
+
 @dataclass
 class Harness:
     """A gateway-shaped aiohttp app whose one route forwards to the upstreams in order."""
@@ -277,6 +304,48 @@ async def test_stream_passes_through_and_strips_usage_the_client_did_not_ask_for
 
     status, _, text = await post(h, {"stream": True, "want_usage": True})
     assert events(text)[-2] == USAGE  # kept when the client asked for usage
+
+
+async def test_events_that_arrive_together_are_relayed_with_usage_and_token_ids_handled(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    h = await make_harness(all_in_one_write)
+    status, _, text = await post(h, {"stream": True, "strip": True})
+    assert status == 200
+    assert events(text) == [ROLE, content("a"), content("b"), content("c"), "[DONE]"]
+    outcome = h.outcomes[0]
+    assert outcome.output_token_ids == [5, 6, 7]
+    assert (outcome.prompt_tokens, outcome.cached_tokens, outcome.completed) == (40, 32, True)
+
+    status, _, text = await post(h, {"stream": True, "want_usage": True})
+    assert events(text) == [ROLE, content("a", token_ids=[5]), content("b", token_ids=[6]),
+                            content("c", token_ids=[7]), USAGE, "[DONE]"]
+
+
+async def test_events_cut_across_writes_are_relayed_whole(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    h = await make_harness(split_mid_event)
+    status, _, text = await post(h, {"stream": True})
+    assert status == 200
+    assert events(text) == [ROLE, content("ab"), content("cd"), "[DONE]"]
+    assert h.outcomes[0].completed is True
+
+
+async def test_a_replica_silent_mid_stream_past_the_idle_timeout_ends_it_with_an_error(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    h = await make_harness(silent_after_first_token, ok_stream, idle_timeout_s=0.3)
+    status, _, text = await post(h, {"stream": True})
+    assert status == 200
+    got = events(text)
+    assert got[:2] == [ROLE, content("first")]
+    assert got[2]["error"]["message"] == "upstream replica failed mid-stream (idle_timeout)"
+    assert got[3] == "[DONE]"
+    assert h.upstreams[1].hits == 0  # the client had seen a byte: not retried
+    assert h.outcomes[0].completed is False
+    stalled = h.upstreams[0].url.split("//")[1]
+    assert metric(h, "cacheroute_upstream_failures_total", replica=stalled,
+                  reason="idle_timeout") == 1
+    # The gateway hung up on the stalled replica.
+    await asyncio.wait_for(h.upstreams[0].cancelled.wait(), 5)
 
 
 async def test_connect_refused_is_retried_on_the_next_replica(
