@@ -43,6 +43,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -247,10 +248,12 @@ def start_process(cmd: list[str], ready_url: str, log_path: Path,
 
 
 def start_cacheroute(fleet: SimFleet, tmp: Path, model_dir: str, repo: Path = REPO,
-                     redis_url: str | None = None, workers: int = 1) -> Router:
+                     redis_url: str | None = None, workers: int = 1,
+                     setting: str | None = None, name: str | None = None) -> Router:
     """A gateway on the sims: on a memory index it feeds itself from the KV events; on
     `redis_url` with `workers` processes, with an indexer process feeding the index (the
-    production layout)."""
+    production layout). `setting` ("SECTION.KEY=VALUE") changes one setting of it, and
+    names it; `name` names it otherwise."""
     port = free_port()
     raw: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": port},
@@ -263,10 +266,15 @@ def start_cacheroute(fleet: SimFleet, tmp: Path, model_dir: str, repo: Path = RE
         "proxy": {"max_body_bytes": 64 * 1024 * 1024},
         "limits": {"max_tokens_limit": 16},
     }
-    name = "cacheroute" if redis_url is None else f"cacheroute redis {workers}w"
-    stem = name.replace(" ", "-")
+    name = name or ("cacheroute" if redis_url is None else f"cacheroute redis {workers}w")
     if redis_url is not None:
         raw["listen"]["workers"] = workers
+    if setting is not None:
+        key, value = split_setting(setting)
+        section, _, leaf = key.partition(".")
+        raw.setdefault(section, {})[leaf] = yaml.safe_load(value)
+        name += f" {setting}"
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
     path = tmp / f"{stem}.yaml"
     path.write_text(yaml.safe_dump(raw))
     helpers = []
@@ -279,6 +287,16 @@ def start_cacheroute(fleet: SimFleet, tmp: Path, model_dir: str, repo: Path = RE
                           "--log-level", "WARNING"], f"http://127.0.0.1:{port}/ready",
                          tmp / f"{stem}.log", cwd=repo)
     return Router(name, f"http://127.0.0.1:{port}", proc, helpers)
+
+
+def split_setting(text: str) -> tuple[str, str]:
+    """"SECTION.KEY=VALUE" -> (SECTION.KEY, VALUE); ValueError naming `text` otherwise."""
+    key, eq, value = text.partition("=")
+    section, dot, leaf = key.partition(".")
+    if not eq or not dot or not section or not leaf or "." in leaf:
+        raise ValueError(f"--gateway-set {text!r}: expected SECTION.KEY=VALUE, "
+                         "e.g. listen.event_loop=asyncio")
+    return key, value
 
 
 def start_vllm_router(fleet: SimFleet, tmp: Path, policy: str) -> Router | None:
@@ -458,9 +476,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-requests", type=int, default=160,
                         help="streamed requests per router and round for the CPU figure "
                         "(0: skip it)")
+    parser.add_argument("--gateway-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="also run a gateway (memory index) with this one setting changed, "
+                        "interleaved with the others, e.g. listen.event_loop=asyncio "
+                        "(repeatable: one gateway each)")
+    parser.add_argument("--baseline-repo", type=Path, metavar="DIR",
+                        help="also run a gateway (memory index) from this checkout, e.g. a "
+                        "git worktree of main, interleaved with the others: a before/after "
+                        "comparison in one run")
     parser.add_argument("--gateway-repo", type=Path, default=REPO,
                         help="run the gateway from this checkout (a before/after comparison)")
     args = parser.parse_args(argv)
+    for setting in args.gateway_set:
+        try:
+            split_setting(setting)
+        except ValueError as exc:
+            parser.error(str(exc))
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     model_dir = args.model_dir or tiny_model(tmp)
     tokenizer = PromptTokenizer.from_dir(model_dir, max_model_len=MAX_MODEL_LEN)
@@ -480,6 +511,12 @@ def main(argv: list[str] | None = None) -> int:
         redis = stack.enter_context(redis_server(tmp / "redis.log")) if args.workers else None
         try:
             routers.append(start_cacheroute(fleet, tmp, model_dir, args.gateway_repo))
+            for setting in args.gateway_set:
+                routers.append(start_cacheroute(fleet, tmp, model_dir, args.gateway_repo,
+                                                setting=setting))
+            if args.baseline_repo is not None:
+                routers.append(start_cacheroute(fleet, tmp, model_dir, args.baseline_repo,
+                                                name="cacheroute baseline"))
             if redis is not None:
                 routers.append(start_cacheroute(fleet, tmp, model_dir, args.gateway_repo,
                                                 redis.url, args.workers))

@@ -34,6 +34,7 @@ import sys
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
+from router import event_loop
 from router.app import REQUEST_ID, build_app, running_gateway
 from router.config import ConfigError, GatewayConfig, add_config_arguments, config_from_args
 
@@ -141,9 +142,10 @@ async def _serve(config: GatewayConfig, args: argparse.Namespace) -> int:
     async with running_gateway(app, config.listen.host, config.listen.port,
                                shutdown_timeout=args.shutdown_timeout, reuse_port=worker):
         log.info("gateway %slistening on http://%s:%d (%d replica entries, index %s, "
-                 "policy %s)", f"worker {os.getpid()} " if worker else "",
+                 "policy %s, event loop %s)", f"worker {os.getpid()} " if worker else "",
                  config.listen.host, config.listen.port, len(config.replicas),
-                 "redis" if config.index.is_redis else "memory", config.policy.name)
+                 "redis" if config.index.is_redis else "memory", config.policy.name,
+                 type(asyncio.get_running_loop()).__module__.split(".")[0])
         await stop.wait()
         log.info("shutting down")
     return 0
@@ -197,5 +199,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
     if config.listen.workers > 1 and args.worker_of is None:
-        return asyncio.run(_supervise(config, args))
-    return asyncio.run(_serve(config, args))
+        return event_loop.run(_supervise(config, args), config.listen.event_loop)
+    return event_loop.run(_serve(config, args), config.listen.event_loop)

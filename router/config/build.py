@@ -42,6 +42,8 @@ from router.config.values import (
     _structured,
     _Text,
 )
+from router.event_loop import EVENT_LOOPS
+from router.event_loop import missing as event_loop_missing
 from router.hashing import HASH_ALGOS, HashConfig, UnknownSeedError
 from router.policy.scorers import SCORERS
 from router.policy.types import POLICY_NAMES, PolicyConfig, PrefillProfile
@@ -56,8 +58,12 @@ def _listen(s: _Section) -> ListenConfig:
     if admin_port is not None and (admin_port > 65535 or admin_port == port):
         raise ConfigError(s.sub("admin_port"), "must be a TCP port (1-65535) other than "
                           f"listen.port, got {admin_port}")
+    loop = s.get("event_loop", _choice(*EVENT_LOOPS), d.event_loop)
+    if (problem := event_loop_missing(loop)) is not None:
+        raise ConfigError(s.sub("event_loop"), problem)
     out = ListenConfig(host=s.get("host", _str, d.host), port=port,
                        workers=s.get("workers", _pos_int, d.workers),
+                       event_loop=loop,
                        request_read_timeout_s=s.get("request_read_timeout_s", _pos_number,
                                                     d.request_read_timeout_s),
                        admin_port=admin_port,

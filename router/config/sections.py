@@ -41,6 +41,9 @@ class ListenConfig:
     # Worker processes sharing the port (SO_REUSEPORT); more than 1 needs a shared
     # (Redis) index, since each worker would otherwise keep an index of its own.
     workers: int = 1
+    # The event loop each process runs on: "asyncio" or "uvloop" (router/event_loop.py
+    # says what each measured).
+    event_loop: str = "asyncio"
     # A connection must send each request's headers and body within this (slowloris and
     # half-open clients otherwise hold a socket and a task each; router/read_deadline.py).
     request_read_timeout_s: float = 30.0

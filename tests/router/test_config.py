@@ -137,6 +137,10 @@ def test_example_file_exercises_every_section(tmp_path: Path) -> None:
             "index.password_env: environment variable NOPE_PW is not set",
         ),
         (
+            ["replicas[0].url=http://a:1", "listen.event_loop=trio"],
+            "listen.event_loop: must be one of asyncio, uvloop",
+        ),
+        (
             ["replicas[0].url=http://a:1", "proxy.tokenize_mode=guess"],
             "proxy.tokenize_mode: must be one of local, remote",
         ),

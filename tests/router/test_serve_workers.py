@@ -81,6 +81,22 @@ def test_two_workers_share_the_port_and_stop_on_sigterm(
         stop_process(proc)
 
 
+def test_workers_run_on_the_event_loop_the_config_names(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    port = free_port()
+    config = write_config(tmp_path, port, redis_server.url, workers=2, event_loop="uvloop")
+    log = tmp_path / "gateway.log"
+    proc = serve(config, log=log)
+    try:
+        wait_until(lambda: log.read_text().count("event loop uvloop") == 2, 60,
+                   "both workers to report their loop", proc=proc)
+        assert worker_of_next_connection(port) in \
+            {p.pid for p in psutil.Process(proc.pid).children()}
+        assert "event loop asyncio" not in log.read_text()
+    finally:
+        stop_process(proc)
+
+
 def test_workers_stop_when_their_supervisor_is_killed(
         redis_server: RedisServer, tmp_path: Path) -> None:
     port = free_port()
