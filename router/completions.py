@@ -184,6 +184,7 @@ async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: 
     up = UpstreamRequest(path=request.path, body=parsed.body, headers=headers,
                          stream=parsed.stream, payload=payload,
                          client_wants_usage=parsed.client_wants_usage, strip_token_ids=strip,
+                         collect_token_ids=want_ids,
                          max_tokens=parsed.max_tokens,
                          predicted_work=route.decision.predicted_work,
                          reserved=route.reserved,

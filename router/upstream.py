@@ -28,6 +28,10 @@ class UpstreamRequest:
     stream: bool
     client_wants_usage: bool = True
     strip_token_ids: bool = False  # the gateway asked for return_token_ids, not the client
+    # Whether the answer's token ids are wanted (a replica without KV events: the gateway
+    # records the blocks the answer fills). When not, a stream whose client asked for
+    # token ids passes through unparsed like any other.
+    collect_token_ids: bool = True
     max_tokens: int | None = None
     payload: bytes | None = None  # `body` already serialized (off the loop, for long prompts)
     # replica id -> (predicted prefill seconds, predicted TTFT seconds), for the replica's
@@ -170,7 +174,7 @@ class StreamState:
         changed = False
         for choice in data.get("choices") or ():
             ids = choice.get("token_ids")
-            if ids is not None and choice.get("index", 0) == 0:
+            if ids is not None and self.up.collect_token_ids and choice.get("index", 0) == 0:
                 self.token_ids.extend(int(t) for t in ids)
                 self.saw_token_ids = True
             if self.up.strip_token_ids and "token_ids" in choice:
@@ -187,9 +191,12 @@ class StreamState:
 
     def process_run(self, events: bytes) -> bytes:
         """A run of complete events after the first byte (SSEReader.next_events): what
-        to send on. Only a run that carries usage or token ids is opened up; the rest, a
-        stream's every token but its last, passes through unparsed."""
-        if b'"usage"' not in events and b"token_ids" not in events:
+        to send on. Only a run that carries usage, or token ids the gateway wants or must
+        strip, is opened up; the rest, a stream's every token but its last, passes
+        through unparsed."""
+        if b'"usage"' not in events and (
+                b"token_ids" not in events
+                or not (self.up.collect_token_ids or self.up.strip_token_ids)):
             return events
         return b"".join(out for event in split_events(events)
                         if (out := self.process(event)[0]) is not None)

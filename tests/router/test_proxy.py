@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -191,7 +192,7 @@ async def split_mid_event(up: Upstream, request: web.Request) -> web.StreamRespo
     whole = b"".join([sse(ROLE), sse(content("ab")), sse(content("cd")), sse(USAGE),
                       b"data: [DONE]\n\n"])
     cuts = [0, 30, whole.index(b"\n\n") + 1, len(whole) - 20, len(whole)]
-    resp = await _stream(request, *(whole[a:b] for a, b in zip(cuts, cuts[1:])))
+    resp = await _stream(request, *(whole[a:b] for a, b in itertools.pairwise(cuts)))
     await resp.write_eof()
     return resp
 
@@ -248,7 +249,8 @@ async def make_harness() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
             up = UpstreamRequest(path="/v1/chat/completions", body=body,
                                  headers={"x-request-id": "rid-1"}, stream=stream,
                                  client_wants_usage=bool(body.get("want_usage", not stream)),
-                                 strip_token_ids=bool(body.get("strip", False)), max_tokens=4)
+                                 strip_token_ids=bool(body.get("strip", False)), max_tokens=4,
+                                 collect_token_ids=bool(body.get("collect", True)))
             ranked = [fleet.get(u.split("//")[1]) for u in urls]
             resp, outcome = await forwarder.forward(
                 request, up, [r for r in ranked if r is not None],
@@ -319,6 +321,18 @@ async def test_events_that_arrive_together_are_relayed_with_usage_and_token_ids_
     status, _, text = await post(h, {"stream": True, "want_usage": True})
     assert events(text) == [ROLE, content("a", token_ids=[5]), content("b", token_ids=[6]),
                             content("c", token_ids=[7]), USAGE, "[DONE]"]
+
+
+async def test_token_ids_the_client_asked_for_pass_through_unread_when_not_recorded(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    h = await make_harness(all_in_one_write)
+    status, _, text = await post(h, {"stream": True, "collect": False})
+    assert status == 200
+    assert events(text) == [ROLE, content("a", token_ids=[5]), content("b", token_ids=[6]),
+                            content("c", token_ids=[7]), "[DONE]"]
+    outcome = h.outcomes[0]
+    assert outcome.output_token_ids is None  # not collected: no replica records
+    assert (outcome.prompt_tokens, outcome.cached_tokens) == (40, 32)  # usage still read
 
 
 async def test_events_cut_across_writes_are_relayed_whole(
