@@ -13,9 +13,12 @@ LookupStrategy = Literal["bisect", "walk"]
 # Each write also drops up to this many expired entries from the replica's LRU head,
 # which keeps the reverse index bounded without a background sweeper (both backends).
 EXPIRED_SWEEP = 64
-# Connections `warm` opens by default: about the requests a gateway starts with at once
-# (a load test's concurrent conversations), each needing its own for a lookup.
-DEFAULT_WARM_CONNECTIONS = 16
+# Connections `warm` opens by default: twice the requests a gateway starts with at once
+# (a load test's 16 concurrent conversations), since each request holds two at a time:
+# its lookup and, beside it, the read of other gateways' work (router/shared_work.py).
+# With 16 a first burst of 16 opened 16 more inside its requests (a TCP connect, HELLO
+# and CLIENT SETINFO each), on the event loop every one of them waits on.
+DEFAULT_WARM_CONNECTIONS = 32
 
 
 class IndexUnavailable(RuntimeError):

@@ -7,10 +7,12 @@ load is tests/e2e/test_redis_failover.py.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 from collections.abc import Iterator
 
 import pytest
 from e2e.redis_topology import RedisTopology
+from servers import RedisServer
 
 from router.config import ConfigError, IndexConfig, build_config
 from router.index import IndexUnavailable, RedisIndex
@@ -89,3 +91,24 @@ async def test_sentinel_finds_the_primary(topology: RedisTopology) -> None:
     with pytest.raises(IndexUnavailable, match=r"No master found|not found"):
         await works(RedisIndex.from_url(f"redis+sentinel://127.0.0.1:{sentinel}/nosuch",
                                         password="pw"))
+
+
+async def test_new_connections_do_not_read_package_metadata(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """redis-py would read its version from disk for each connection a lookup opens."""
+    client = redis_client(redis_server.url)  # the identity is resolved here, or before
+    reads: list[str] = []
+    real = importlib.metadata.version
+
+    def counting(name: str) -> str:
+        reads.append(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", counting)
+    try:
+        await asyncio.gather(*(client.ping() for _ in range(8)))  # 8 new connections
+        assert len(client.connection_pool._in_use_connections) + \
+            len(client.connection_pool._available_connections) == 8
+    finally:
+        await client.aclose()
+    assert reads == []
