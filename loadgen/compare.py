@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -58,7 +59,7 @@ from loadgen.gateway_under_test import (
     overrides_note,
     policy_variant,
 )
-from loadgen.harness import MODEL_NAME, HarnessError
+from loadgen.harness import MODEL_NAME, HarnessError, parse_cpus
 from loadgen.oracle import OracleRequest, bounds
 from loadgen.peers import PEERS, SMG, VLLM_ROUTER, peer_routers, skip_reason, split_policy
 from loadgen.report import PolicyRun, ReportFiles, write_report
@@ -115,6 +116,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="router instances per policy, requests spread round-robin: ours "
                              "share one Redis index, vllm-router's are independent, SMG's "
                              "join its mesh (issue #16)")
+    parser.add_argument("--router-cpus", metavar="CPUS",
+                        help="run the routers under test (our gateways, indexer and Redis; "
+                             "the peers) on these CPUs, e.g. 0, and the replicas and the "
+                             "client on the rest: production's layout, where a gateway does "
+                             "not share cores with the engines it routes to (default: "
+                             "everything shares every CPU)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds: every policy runs once per round, interleaved; the "
                              "report gives medians and min-max over rounds")
@@ -313,7 +320,7 @@ def router(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfile,
     policy = base
     if peer is not None:
         with peer_routers(peer, name, fleet, Path(args.model_dir), log_dir, tag,
-                          count) as urls:
+                          count, getattr(args, "router_cpu_set", None)) as urls:
             yield urls, peer.label + (f"; {count} instances, "
                                       + ("joined by its mesh" if peer is SMG
                                          else "independent") if count > 1 else "")
@@ -360,6 +367,7 @@ def _meta(args: argparse.Namespace, use_redis: bool, profile: GatewayProfile,
         "gateway settings": "defaults (health checks every 2 s, scrapes every 1 s), routing "
                             "headers exposed, and what a policy variant or --policy-set "
                             "names",
+        "cpus": _cpus_line(args),
         "rounds": f"{args.repeats} (policies interleaved, rotated each round; caches and "
                   "index emptied before every run)",
         "pacing": (f"closed loop, concurrency {args.concurrency}" if args.mode == "closed"
@@ -374,6 +382,44 @@ def _meta(args: argparse.Namespace, use_redis: bool, profile: GatewayProfile,
     if skipped:
         meta["skipped"] = "; ".join(s.splitlines()[0] for s in skipped)
     return meta
+
+
+def _cpus_line(args: argparse.Namespace) -> str:
+    """Where the routers, the replicas and the client ran, for the report."""
+    routers: frozenset[int] | None = getattr(args, "router_cpu_set", None)
+    if routers is None:
+        return (f"shared: routers, replicas and the client on all "
+                f"{len(os.sched_getaffinity(0))} CPUs")
+    fleet: frozenset[int] = getattr(args, "fleet_cpu_set", frozenset())
+    return (f"routers (gateways, indexer, Redis; peers) on CPU {_cpu_list(routers)}; "
+            f"replicas and the client on CPU {_cpu_list(fleet)}")
+
+
+def _cpu_list(cpus: frozenset[int]) -> str:
+    return ",".join(map(str, sorted(cpus)))
+
+
+@contextlib.contextmanager
+def _placed(args: argparse.Namespace) -> Iterator[None]:
+    """Apply --router-cpus: this process (the client, and the replicas it starts) moves to
+    the other CPUs for the run, and back after; args.router_cpu_set tells the routers'
+    starters where theirs go."""
+    args.router_cpu_set = None
+    if not getattr(args, "router_cpus", None):
+        yield
+        return
+    routers = parse_cpus("--router-cpus", args.router_cpus)
+    before = os.sched_getaffinity(0)
+    fleet = frozenset(before - routers)
+    if not fleet:
+        raise HarnessError(f"--router-cpus {args.router_cpus!r} leaves no CPU for the "
+                           "replicas and the client")
+    args.router_cpu_set, args.fleet_cpu_set = routers, fleet
+    os.sched_setaffinity(0, fleet)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def run_comparison(args: argparse.Namespace, console: Any = None) -> Comparison:
@@ -398,13 +444,14 @@ def run_comparison(args: argparse.Namespace, console: Any = None) -> Comparison:
     total = len(build_workload(args).plan())
     runs: list[PolicyRun] = []
     with tempfile.TemporaryDirectory(prefix="cacheroute-compare-") as tmp, \
-            contextlib.ExitStack() as stack:
+            contextlib.ExitStack() as stack, _placed(args):
         log_dir = Path(tmp)
         use_redis = args.index == "redis" or (
             args.index == "auto" and shutil.which("redis-server") is not None)
         index = "memory"
         if use_redis:
-            index = stack.enter_context(redis_server(log_dir / "redis.log")).url
+            index = stack.enter_context(redis_server(log_dir / "redis.log",
+                                                     args.router_cpu_set)).url
         console.print(f"starting {args.replicas} {args.replica_kind} replicas "
                       f"(index: {'redis' if use_redis else 'memory'})")
         fleet = (start_sim_fleet(args) if args.replica_kind == "sim"

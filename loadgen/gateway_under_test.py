@@ -256,6 +256,7 @@ def gateways(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfil
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         configs.append((name, path, int(config["listen"]["port"])))
     workers = int(config["listen"].get("workers", 1))  # every instance alike
+    cpus: frozenset[int] | None = getattr(args, "router_cpu_set", None)  # --router-cpus
     path = configs[0][1]
     name = f"{policy}{tag}"
     procs: list[LoggedProcess] = []
@@ -265,7 +266,7 @@ def gateways(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfil
             # from the replicas' KV events. Started first and synced before any request.
             indexer = LoggedProcess(f"indexer-{name}", [
                 sys.executable, "-m", "router", "indexer", "--config", str(path),
-                "--log-level", "INFO"])
+                "--log-level", "INFO"], cpus=cpus)
             procs.append(indexer)
             indexer.start(log_dir)
             indexer.wait_until(lambda: "indexing " in indexer.log_tail(20_000))
@@ -273,7 +274,7 @@ def gateways(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfil
         for gw_name, gw_path, port in configs:
             proc = LoggedProcess(f"gateway-{gw_name}",
                                  [sys.executable, "-m", "router", "serve", "--config",
-                                  str(gw_path), "--shutdown-timeout", "2"])
+                                  str(gw_path), "--shutdown-timeout", "2"], cpus=cpus)
             procs.append(proc)
             proc.start(log_dir)
             urls.append(f"http://127.0.0.1:{port}")

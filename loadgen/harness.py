@@ -7,6 +7,7 @@ that quotes the end of that log, so a router that would not start says why.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import urllib.error
 import urllib.request
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from replica.processes import ProcessExited, WaitTimeout, stop_process, wait_until
+from replica.processes import ProcessExited, WaitTimeout, pin_to, stop_process, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "tiny"
@@ -37,6 +38,23 @@ def http_status(url: str, method: str = "GET", timeout: float = 2.0) -> int | No
         return None
 
 
+def parse_cpus(flag: str, text: str) -> frozenset[int]:
+    """A CPU list such as "0" or "0,2-3", checked against the CPUs this process may use;
+    a HarnessError naming `flag` and the bad value otherwise."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise HarnessError(f"{flag} {text!r}: expected CPU numbers such as 0 or 0,2-3") from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        raise HarnessError(f"{flag} {text!r}: this process may run on CPUs "
+                           f"{','.join(map(str, sorted(allowed)))} only")
+    return frozenset(cpus)
+
+
 def answers_ok(url: str) -> bool:
     """Whether GET `url` answers 200."""
     return http_status(url) == 200
@@ -51,12 +69,15 @@ class LoggedProcess:
     env: dict[str, str] | None = None
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    # The CPUs it may run on, its threads and children included (None: the harness's).
+    cpus: frozenset[int] | None = None
 
     def start(self, log_dir: Path) -> None:
         self.log_path = log_dir / f"{self.name}.log"
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=self.env, cwd=REPO)
+                                         stdin=subprocess.DEVNULL, env=self.env, cwd=REPO,
+                                         preexec_fn=pin_to(self.cpus))
 
     def wait_until(self, ready: Callable[[], bool], timeout: float = START_TIMEOUT_S) -> None:
         """Poll `ready` until it holds; fail fast, quoting the log, if the process exits."""

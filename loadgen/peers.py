@@ -83,7 +83,8 @@ def peer_router(peer: Peer, policy: str, fleet: TargetFleet, model_dir: Path,
 
 @contextlib.contextmanager
 def peer_routers(peer: Peer, policy: str, fleet: TargetFleet, model_dir: Path,
-                 log_dir: Path, tag: str = "", count: int = 1) -> Iterator[list[str]]:
+                 log_dir: Path, tag: str = "", count: int = 1,
+                 cpus: frozenset[int] | None = None) -> Iterator[list[str]]:
     """`count` instances of a peer router over the fleet, started and healthy; their URLs.
 
     vllm-router instances are independent (each its own tree and load view). SMG
@@ -102,7 +103,7 @@ def peer_routers(peer: Peer, policy: str, fleet: TargetFleet, model_dir: Path,
             port = free_port()
             cmd, ready = _peer_command(peer, binary, policy, fleet, model_dir, port, i, mesh)
             proc = LoggedProcess(f"{peer.name}-{policy}{tag}" + (f"-g{i}" if count > 1 else ""),
-                                 cmd)
+                                 cmd, cpus=cpus)
             procs.append(proc)
             proc.start(log_dir)
             urls_ready.append((proc, ready, f"http://127.0.0.1:{port}"))

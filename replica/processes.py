@@ -157,6 +157,19 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def pin_to(cpus: frozenset[int] | None) -> Callable[[], None] | None:
+    """A Popen preexec_fn that confines the new process to `cpus` before it runs, so its
+    every thread and child stays there too (None: leave it where its parent runs)."""
+    if cpus is None:
+        return None
+    mask = set(cpus)
+
+    def pin() -> None:
+        os.sched_setaffinity(0, mask)
+
+    return pin
+
+
 def stop_process(proc: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> int:
     """Stop a process this program started: SIGTERM, then SIGKILL after `grace_s`.
 
@@ -186,6 +199,7 @@ class RedisServer:
     port: int = field(default_factory=free_port)
     log_path: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
+    cpus: frozenset[int] | None = None  # where it may run (None: where its starter does)
 
     @property
     def url(self) -> str:
@@ -200,11 +214,13 @@ class RedisServer:
                "--appendonly", "no", "--protected-mode", "yes"]
         if self.log_path is None:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+                                         stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                                         preexec_fn=pin_to(self.cpus))
         else:
             with self.log_path.open("wb") as log:
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL)
+                                             stdin=subprocess.DEVNULL,
+                                             preexec_fn=pin_to(self.cpus))
         try:
             wait_for_port(self.port, timeout, proc=self.proc)
         except BaseException:
@@ -224,9 +240,10 @@ class RedisServer:
 
 
 @contextmanager
-def redis_server(log_path: Path | None = None) -> Iterator[RedisServer]:
+def redis_server(log_path: Path | None = None,
+                 cpus: frozenset[int] | None = None) -> Iterator[RedisServer]:
     """A private, empty redis-server on a free loopback port, stopped on exit."""
-    server = RedisServer(log_path=log_path).start()
+    server = RedisServer(log_path=log_path, cpus=cpus).start()
     try:
         yield server
     finally:
