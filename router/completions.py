@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 
@@ -36,16 +35,6 @@ log = logging.getLogger(__name__)
 _FORWARDED_HEADERS = ("traceparent", "tracestate", "baggage")
 
 
-_OFFLOAD_BODY_BYTES = 64 * 1024
-# A prompt given as text or chat is rendered and tokenized before it is hashed: about
-# 0.5-2.5 ms of CPU for a 40 KB, 6,000-token chat with tools (24 ms for a template's
-# first use), against ~0.1 ms of thread hand-off. On the event loop that time stalls
-# every stream it relays and every lookup waiting on a deadline: a burst of 16 such
-# first turns held one gateway's loop for tens of milliseconds (issue #13). Past this
-# size it goes to the tokenizer threads (the HF tokenizer releases the GIL).
-_OFFLOAD_TEXT_BYTES = 8 * 1024
-
-
 async def _read_body(request: web.Request, limit: int) -> bytes:
     """The body, refusing more than `limit` bytes without reading them all."""
     if request.content_length is not None and request.content_length > limit:
@@ -60,13 +49,6 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _offload(parsed: ParsedRequest, size: int) -> bool:
-    """Whether preparing the prompt (tokenize, hash) should leave the event loop."""
-    if parsed.token_ids is not None:
-        return size > _OFFLOAD_BODY_BYTES  # already ids: only hashing, cheap per byte
-    return size > _OFFLOAD_TEXT_BYTES
-
-
 async def handle_completion(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions and /v1/completions: route, forward, record."""
     gw = request.app[GATEWAY]
@@ -74,15 +56,11 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     arrived = time.perf_counter()
     tenant = tenant_of(gw, request)
     raw = await _read_body(request, gw.config.proxy.max_body_bytes)
-    check = functools.partial(parse_request, raw, ENDPOINTS[request.path],
-                              served_models=served_models(gw), limits=gw.config.limits,
-                              tenant=tenant, registry=gw.tenants)
-    if len(raw) > _OFFLOAD_BODY_BYTES:
-        # Decoding and checking a long body costs ~40 ns per prompt token (msgspec; 1.3
-        # ms at 32k): past this size, long enough to be worth the thread hand-off.
-        parsed = await asyncio.get_running_loop().run_in_executor(gw.executor, check)
-    else:
-        parsed = check()
+    # On the loop whatever its size: msgspec holds the GIL while it decodes (~40 ns a
+    # prompt token, 1.3 ms at 32k), so a thread would stall the loop as long, plus the
+    # hand-off (router/routing.py tokens_off_the_loop_when_long says what that cost).
+    parsed = parse_request(raw, ENDPOINTS[request.path], served_models=served_models(gw),
+                           limits=gw.config.limits, tenant=tenant, registry=gw.tenants)
     served = gw.fleet.for_model(parsed.model)
     if not served:
         raise ClientError(f"The model '{parsed.model}' does not exist", "model", status=404)
@@ -99,7 +77,7 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     try:
         route = await gw.pipeline.route(parsed, served, gw.fleet.now(), tenant.tenant_id,
                                         parsed.cache_salt,
-                                        session_key, offload=_offload(parsed, len(raw)),
+                                        session_key, offload=True,
                                         tokenizer=known, reserve=True)
     except NoReplicasError:
         return json_error(503, "no replica serves this model", "service_unavailable")

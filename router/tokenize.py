@@ -84,6 +84,11 @@ class SegmentCache:
             self.stats.hits += 1
             return ids
 
+    def holds(self, segment: str) -> bool:
+        """Whether `segment` is cached (not counted as a use)."""
+        with self._lock:
+            return segment in self._entries
+
     def put(self, segment: str, ids: tuple[int, ...]) -> None:
         if len(segment) > self._max_chars:
             return
@@ -334,12 +339,29 @@ class PromptTokenizer:
 
     def chat_tokens(self, body: dict[str, Any]) -> list[int]:
         """Prompt token ids of a chat-completions body."""
-        text = self.render_chat(body)
-        if _flag(body, "add_special_tokens", False):
-            ids = self.encode(text, add_special_tokens=True)
-        else:
-            ids = self.encode_cached(text)
+        text, add_special_tokens = self.chat_text(body)
+        return self.chat_ids(text, add_special_tokens, body)
+
+    def chat_text(self, body: dict[str, Any]) -> tuple[str, bool]:
+        """The first half of chat_tokens: the rendered prompt, and whether vLLM adds
+        special tokens to it. Jinja in Python: it holds the GIL throughout."""
+        return self.render_chat(body), _flag(body, "add_special_tokens", False)
+
+    def chat_ids(self, text: str, add_special_tokens: bool, body: dict[str, Any]) -> list[int]:
+        """The second half: the rendered prompt's ids, truncated as vLLM truncates. The
+        encoding runs in the Rust tokenizer, which releases the GIL."""
+        ids = (self.encode(text, add_special_tokens=True) if add_special_tokens
+               else self.encode_cached(text))
         return _truncate(ids, body, self.max_model_len)
+
+    def uncached_chars(self, text: str, add_special_tokens: bool = False) -> int:
+        """How much of `text` chat_ids would encode afresh: the segments the cache does
+        not hold (all of it without the cache, or with special tokens added)."""
+        cache, splitter = self.segment_cache, self._splitter
+        if add_special_tokens or cache is None or splitter is None:
+            return len(text)
+        return sum(len(piece) for piece in splitter.split(text)
+                   if piece and piece not in self._added_ids and not cache.holds(piece))
 
     # -- completions ----------------------------------------------------------
 

@@ -161,27 +161,3 @@ def test_completion_choices_lose_only_the_prompt_ids_the_gateway_asked_for(strip
         assert ("prompt_token_ids" in choice) is not strip
         assert ("token_ids" in choice) is not strip
     assert state.token_ids == [5]  # the first prompt's generated ids, for recording
-
-
-def test_chat_prompts_leave_the_event_loop_sooner_than_token_ids() -> None:
-    # A 20 KB chat must be rendered and tokenized in the tokenizer threads (on the loop
-    # it stalls every stream the gateway relays); 20 KB of token ids is only hashed there.
-    from router.completions import _offload
-
-    registry = TenantRegistry.from_config(TenantsConfig(allow_anonymous=True))
-
-    def parsed(body: dict[str, Any], endpoint: str) -> Any:
-        raw = json.dumps(body).encode()
-        return parse_request(raw, endpoint, served_models=(), limits=LimitsConfig(),
-                             tenant=registry.identify(None), registry=registry), len(raw)
-
-    chat, chat_size = parsed({"model": "m", "messages": [
-        {"role": "user", "content": "word " * 4000}]}, "chat")
-    ids, ids_size = parsed({"model": "m", "prompt": [12345] * 3300}, "completions")
-    assert 16_000 < chat_size < 64 * 1024 and 16_000 < ids_size < 64 * 1024
-    assert _offload(chat, chat_size) and not _offload(ids, ids_size)
-    short, short_size = parsed({"model": "m", "messages": [
-        {"role": "user", "content": "hi"}]}, "chat")
-    assert not _offload(short, short_size)  # the hand-off would cost more than the work
-    big, big_size = parsed({"model": "m", "prompt": [12345] * 12000}, "completions")
-    assert _offload(big, big_size)

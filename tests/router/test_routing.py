@@ -11,6 +11,8 @@ import random
 import signal
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,8 +31,10 @@ from router.routing import (
     _event_keys,
     predicted_cached_tokens,
     prepare_prompt,
+    tokens_off_the_loop_when_long,
 )
 from router.tenants import TenantRegistry
+from router.tokenize import PromptTokenizer
 
 CONFIG = HashConfig(block_size=16)
 
@@ -315,3 +319,58 @@ async def test_a_burst_of_one_hot_prefix_decided_before_forwarding_still_spreads
     # costs the holder little; each cold copy a 2,000-token prefill, and the copies' own
     # queues then weigh against more).
     assert placed["r0"] >= 6 and len(placed) >= 2 and placed["r0"] < 24, placed
+
+
+class CountingExecutor(ThreadPoolExecutor):
+    """A real thread pool that counts what is handed to it."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)
+        self.calls = 0
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        self.calls += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def _parsed(body: dict[str, Any], endpoint: str) -> ParsedRequest:
+    registry = TenantRegistry.from_config(TenantsConfig(allow_anonymous=True))
+    return parse_request(json.dumps(body).encode(), endpoint, served_models=(),
+                         limits=LimitsConfig(), tenant=registry.identify(None),
+                         registry=registry)
+
+
+async def test_only_a_long_encode_of_unseen_text_leaves_the_event_loop(
+        tiny_model_dir: Path) -> None:
+    # Rendering, id checks and hashing hold the GIL (a thread only adds hand-offs); the
+    # Rust encode of long text releases it, so that alone goes to the tokenizer threads.
+    tok = await asyncio.to_thread(PromptTokenizer.from_dir, tiny_model_dir)  # slow import
+    assert tok.segment_cache is not None
+    pool = CountingExecutor()
+    try:
+        long_chat = _parsed({"model": "m", "messages": [
+            {"role": "system", "content": "alpha beta gamma " * 1000},
+            {"role": "user", "content": "hi"}]}, "chat")
+        first = await tokens_off_the_loop_when_long(tok, long_chat, pool)
+        assert pool.calls == 1
+        assert first == tok.chat_tokens(long_chat.body)
+        # The next turn resends the same 17 KB system prompt: its segments are cached
+        # now, only the new turn is encoded, on the loop.
+        next_turn = _parsed({"model": "m", "messages": [
+            *long_chat.body["messages"], {"role": "assistant", "content": "yes"},
+            {"role": "user", "content": "and then?"}]}, "chat")
+        assert await tokens_off_the_loop_when_long(tok, next_turn, pool) == \
+            tok.chat_tokens(next_turn.body)
+        assert pool.calls == 1
+        ids = _parsed({"model": "m", "prompt": [17] * 12000}, "completions")
+        assert await tokens_off_the_loop_when_long(tok, ids, pool) == [17] * 12000
+        assert pool.calls == 1  # token ids never leave the loop
+        text = _parsed({"model": "m", "prompt": "delta epsilon " * 1000}, "completions")
+        assert await tokens_off_the_loop_when_long(tok, text, pool) == \
+            tok.completion_tokens(text.body)
+        assert pool.calls == 2  # 14 KB of text to encode
+        short = _parsed({"model": "m", "prompt": "delta epsilon"}, "completions")
+        await tokens_off_the_loop_when_long(tok, short, pool)
+        assert pool.calls == 2
+    finally:
+        pool.shutdown()
