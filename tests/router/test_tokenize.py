@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import json
 import random
+import sys
+import threading
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from router.tokenize import PromptTokenizer, RequestError, endpoint_of
+from replica.processes import wait_until
+from router.tokenize import PromptTokenizer, RequestError, SegmentCache, endpoint_of
 
 WEATHER_TOOL: dict[str, Any] = {
     "type": "function",
@@ -394,3 +397,72 @@ def test_warm_compiles_the_chat_template_before_the_first_request(tiny_model_dir
     assert tok.render_chat(body).startswith("<|user|>hello")
     after = _compile_jinja_template.cache_info()
     assert (after.misses, after.hits) == (compiled.misses, compiled.hits + 1)
+
+
+def _waiting_on_an_event(thread: threading.Thread) -> bool:
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == "wait" and "threading" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_a_segment_wanted_by_two_threads_at_once_is_encoded_once() -> None:
+    cache = SegmentCache()
+    encoding, release = threading.Event(), threading.Event()
+    calls: list[str] = []
+    got: dict[str, tuple[int, ...]] = {}
+
+    def slow(segment: str) -> tuple[int, ...]:
+        calls.append("first")
+        encoding.set()
+        release.wait(30)
+        return (1, 2, 3)
+
+    def fast(segment: str) -> tuple[int, ...]:
+        calls.append("second")
+        return (9,)
+
+    first = threading.Thread(target=lambda: got.update(a=cache.get_or_encode("seg", slow)))
+    first.start()
+    assert encoding.wait(30)
+    second = threading.Thread(target=lambda: got.update(b=cache.get_or_encode("seg", fast)))
+    second.start()
+    wait_until(lambda: _waiting_on_an_event(second), 30, "the second thread to wait")
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert calls == ["first"]
+    assert got == {"a": (1, 2, 3), "b": (1, 2, 3)}
+    assert (cache.stats.misses, cache.stats.hits) == (1, 1)
+
+
+def test_when_the_encoding_thread_fails_a_waiting_one_encodes() -> None:
+    cache = SegmentCache()
+    encoding, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+    got: list[tuple[int, ...]] = []
+
+    def failing(segment: str) -> tuple[int, ...]:
+        encoding.set()
+        release.wait(30)
+        raise ValueError("tokenizer failed")
+
+    def run_failing() -> None:
+        try:
+            cache.get_or_encode("seg", failing)
+        except ValueError as exc:
+            errors.append(exc)
+
+    first = threading.Thread(target=run_failing)
+    first.start()
+    assert encoding.wait(30)
+    second = threading.Thread(target=lambda: got.append(cache.get_or_encode("seg", lambda s: (4,))))
+    second.start()
+    wait_until(lambda: _waiting_on_an_event(second), 30, "the second thread to wait")
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert len(errors) == 1 and got == [(4,)]
+    assert cache.holds("seg")
