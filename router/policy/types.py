@@ -61,7 +61,8 @@ class PolicyConfig:
     4 gateways' p50 back to one's; False for fleets of hundreds of replicas behind many
     gateways, where the per-request read costs more; see docs/POLICY.md).
     `spread_ties`: among near-equal replicas cache_aware takes those with the least work
-    queued ahead (False, the default: sampled by score alone; docs/POLICY.md).
+    queued ahead (True, the default; False samples them by score alone; docs/POLICY.md
+    has the runs that decided it).
     `weights` overrides the policy's scorer weights by
     scorer name.
     """
@@ -84,7 +85,7 @@ class PolicyConfig:
     work_weight: float = 1.0
     work_relative: bool = False
     share_work: bool = True
-    spread_ties: bool = False
+    spread_ties: bool = True
 
 
 @dataclass(frozen=True)
