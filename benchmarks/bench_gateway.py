@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_gateway.py [--rounds 5] [--per-round 12]
         [--model-dir DIR] [--cold-sizes 8192] [--seconds 5] [--workers 2]
+        [--gateway-set SECTION.KEY=VALUE] [--baseline-repo DIR]
 
 Three requests, as issue #13 sets their targets: an 8k-token token-id prompt, cold (a
 fresh first block, so every block is new); a conversation growing 256 tokens a turn at
@@ -30,6 +31,10 @@ replica costs next to nothing and what the routers add is what shows.
 --workers N adds a second gateway as production runs it: N worker processes
 (listen.workers) on a private redis-server index fed by an indexer process; it takes
 part in 2 and 3 like every other target (the in-process profile is the memory index's).
+--gateway-set SECTION.KEY=VALUE adds a gateway with one setting changed (e.g.
+listen.event_loop=uvloop), --baseline-repo DIR one run from another checkout (a git
+worktree of an earlier commit): before/after and setting comparisons interleaved in one
+run, as this machine's noise requires.
 
 Every router and replica is a separate process. --model-dir defaults to a tiny model
 built into a temporary directory (python -m replica tiny-model).
