@@ -89,7 +89,9 @@ def replica_sources(config: GatewayConfig) -> list[ReplicaSource]:
 
 async def _executor_ctx(app: web.Application) -> AsyncIterator[None]:
     gw = app[GATEWAY]
-    # Tokenizing and hashing long prompts runs here, off the event loop.
+    # The tokenizer's encoding of long unseen text runs here (it releases the GIL: see
+    # router/routing.py tokens_off_the_loop_when_long), as do loading tokenizers, batches
+    # and recorded chains.
     gw.executor = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 2),
                                      thread_name_prefix="tokenize")
     yield

@@ -468,8 +468,8 @@ class RoutingPipeline:
         lookup = await lookup_matches(self.index, parsed.model, readable, members,
                                       self.index_deadline_s)
         peers = await _peer_work(peers_read, self.index_deadline_s - lookup.seconds)
-        # Tokenizing and the lookup took time (a burst queues in the executor): the
-        # outstanding work is read as of now, not as of the request's arrival.
+        # Tokenizing and the lookup took time (a burst is prepared one request after
+        # another): the outstanding work is read as of now, not as of the request's arrival.
         now = self.clock()
         matches: Mapping[str, int] = lookup.matches
         if self.pending is not None:

@@ -33,7 +33,7 @@ class UpstreamRequest:
     # token ids passes through unparsed like any other.
     collect_token_ids: bool = True
     max_tokens: int | None = None
-    payload: bytes | None = None  # `body` already serialized (off the loop, for long prompts)
+    payload: bytes | None = None  # `body` already serialized, the salt spliced in
     # replica id -> (predicted prefill seconds, predicted TTFT seconds), for the replica's
     # outstanding-work account (router/outstanding.py); replicas not named count 0.
     predicted_work: Mapping[str, tuple[float, float]] = field(default_factory=dict)
