@@ -111,16 +111,6 @@ class SegmentCache:
                 del self._encoding[segment]
             done.set()
 
-    def get(self, segment: str) -> tuple[int, ...] | None:
-        with self._lock:
-            ids = self._entries.get(segment)
-            if ids is None:
-                self.stats.misses += 1
-                return None
-            self._entries.move_to_end(segment)
-            self.stats.hits += 1
-            return ids
-
     def holds(self, segment: str) -> bool:
         """Whether `segment` is cached (not counted as a use; one being encoded is not)."""
         with self._lock:
