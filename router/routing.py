@@ -109,7 +109,8 @@ class ChainCache:
 
     def event_keys(self, config: HashConfig, tokens: Sequence[int],
                    cache_salt: str | None) -> list[int]:
-        """The 64-bit event keys of every full block of `tokens` under config and salt."""
+        """The 64-bit event keys of every full block of `tokens` (Python ints, as every
+        caller has them) under config and salt."""
         size = config.block_size
         n = len(tokens) // size
         if n == 0:
@@ -143,7 +144,8 @@ class ChainCache:
         chain = BlockChain(config, cache_salt=cache_salt)
         chain.tokens = list(tokens[: reused * size])
         chain.keys = known_digests
-        added = chain.extend(tokens[reused * size: n * size])
+        # Python ints already (msgspec checked a request's ids; a tokenizer's are ints).
+        added = chain.extend(tokens[reused * size: n * size], checked=True)
         added_events = _event_keys(added)
         fp = xxhash.xxh3_128(head)
         fp.update(data[: reused * step])

@@ -200,3 +200,17 @@ def test_fork_reuses_shared_keys(base: list[int], tail: list[int], keep: int) ->
 def test_event_key_is_last_eight_bytes() -> None:
     digest = bytes(range(32))
     assert event_key(digest) == int.from_bytes(digest[-8:], "big")
+
+
+def test_numpy_ids_are_keyed_as_python_ints_unless_declared_checked() -> None:
+    # numpy integers pickle differently from Python ints: unchecked ids are converted,
+    # which is what makes them key as vLLM keys the same ids (Python ints).
+    import numpy as np
+
+    ids = list(range(3 * CONFIG.block_size))
+    expected = chain_hashes(CONFIG, ids)
+    assert BlockChain(CONFIG).extend(np.array(ids, dtype=np.int64).tolist()) == expected
+    assert BlockChain(CONFIG).extend(list(np.array(ids, dtype=np.int64))) == expected
+    assert BlockChain(CONFIG).extend(ids, checked=True) == expected
+    # The conversion is what the unchecked path is for: skipping it changes the keys.
+    assert BlockChain(CONFIG).extend(list(np.array(ids, dtype=np.int64)), checked=True) != expected
