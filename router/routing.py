@@ -464,7 +464,7 @@ class RoutingPipeline:
             else prompt.keys
         # Other gateways' work, read beside the lookup and under the same deadline.
         peers_read = (asyncio.ensure_future(self.shared.read(2 * self.index_deadline_s))
-                      if self.shared is not None else None)
+                      if self.shared is not None and self.shared.read_due() else None)
         if peers_read is not None:
             peers_read.add_done_callback(_collect)
         lookup = await lookup_matches(self.index, parsed.model, readable, members,

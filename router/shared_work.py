@@ -24,7 +24,10 @@ burst costs a few round trips, not one per request; a lost write is repaired by 
 change or the heartbeat. With Redis away the gateway sees only its own work, as before.
 
 Cost: one HGETALL per routed request of gateways x replicas short fields (see
-docs/SCALING.md for what that is at fleet scale).
+docs/SCALING.md for what that is at fleet scale). A gateway whose last read found no
+other gateway skips the read for `heartbeat_s` (`read_due`): alone it would only read
+its own fields, at 0.17 ms of CPU per request here; a gateway that joins is seen within
+a heartbeat.
 """
 
 from __future__ import annotations
@@ -113,6 +116,7 @@ class SharedWork:
         self._published: set[str] = set()
         self._dead: list[bytes] = []
         self._flushing: asyncio.Task[None] | None = None
+        self._alone_until = float("-inf")  # no read is due before this (read_due)
         self.write_failures = 0
 
     def _field(self, replica_id: str) -> bytes:
@@ -143,14 +147,24 @@ class SharedWork:
         while self._flushing is not None and not self._flushing.done():
             await asyncio.gather(self._flushing, return_exceptions=True)
 
+    def read_due(self) -> bool:
+        """Whether routing should read: not for heartbeat_s after a read that found no
+        other live gateway. Alone, the read would only return this gateway's own fields;
+        a gateway that starts later is seen within a heartbeat (and itself sees this
+        one's work at once)."""
+        return self._clock() >= self._alone_until
+
     async def read(self, timeout_s: float) -> dict[str, PeerWork]:
         """The other gateways' work per replica id; raises on a failed or late read."""
         raw = await within(self._redis.hgetall(self.key), timeout_s)
         # The index's client does not decode responses: fields and values are bytes.
-        peers, dead = parse(cast(Mapping[bytes, bytes], raw), self.gateway_id, self._clock(),
+        wall = self._clock()
+        peers, dead = parse(cast(Mapping[bytes, bytes], raw), self.gateway_id, wall,
                             self.stale_s, self.forget_s)
         if dead:
             self._dead = dead  # deleted by the next heartbeat
+        # parse() reports every live gateway's replicas, idle ones too: empty means alone.
+        self._alone_until = wall + self.heartbeat_s if not peers else float("-inf")
         return peers
 
     async def heartbeat(self, views: Callable[[], Mapping[str, WorkView]]) -> None:

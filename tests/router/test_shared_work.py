@@ -195,3 +195,30 @@ def _body(tokens: list[int]) -> Any:
     raw = json.dumps({"model": "m", "prompt": tokens}).encode()
     return parse_request(raw, "completions", served_models=(), limits=LimitsConfig(),
                          tenant=REGISTRY.identify(None), registry=REGISTRY)
+
+
+async def test_a_gateway_alone_skips_reads_for_a_heartbeat_and_sees_one_that_joins(
+        redis_server: Any) -> None:
+    client = Redis.from_url(redis_server.url)
+    clock = [1000.0]
+    alone = SharedWork(client, gateway_id="alone", clock=lambda: clock[0], heartbeat_s=1.0)
+    joiner = SharedWork(client, gateway_id="joiner", clock=lambda: clock[0])
+    try:
+        alone.publish("r0", WorkView(wait_s=1.0, pending=1))
+        await alone.flushed()
+        assert alone.read_due()
+        assert await alone.read(1.0) == {}  # only its own fields
+        assert not alone.read_due()  # nothing to find: no read per request
+        joiner.publish("r0", WorkView(wait_s=5.0, pending=2))
+        await joiner.flushed()
+        clock[0] += 0.5
+        assert not alone.read_due()  # the joiner is not seen within the heartbeat...
+        clock[0] += 0.6
+        assert alone.read_due()  # ...but after it
+        assert (await alone.read(1.0))["r0"].pending == 2
+        clock[0] += 0.1
+        assert alone.read_due()  # with another gateway live, every request reads
+        assert (await alone.read(1.0))["r0"].pending == 2
+        assert alone.read_due()
+    finally:
+        await client.aclose()
