@@ -17,8 +17,9 @@ replica costs next to nothing and what the routers add is what shows.
 2. Added latency end to end: the same requests sent to replica 0 directly, through
    cacheroute (`python -m router serve`, memory index fed by KV events) and through
    vllm-router 0.1.17 (cache_aware, kv_aware; when installed in this environment),
-   interleaved request by request, over --rounds rounds (each target its own
-   conversation each round; its first request is the warm-up and not counted). Per round
+   interleaved request by request in a rotating order, over --rounds rounds (each
+   target its own conversation each round; its first request is the warm-up and not
+   counted). Per round
    the p50 of each target minus direct's p50; printed as the median over rounds and the
    spread (min..max). "proxy+HTTP" is cacheroute's added p50 minus its in-process stages:
    the HTTP server and client, the event loop, the upstream connection.
@@ -350,7 +351,13 @@ async def added_latency(targets: list[tuple[str, str]], scenarios: list[Scenario
                          for name, _ in targets}
                 seen: dict[str, list[float]] = {name: [] for name, _ in targets}
                 for i in range(per_round + 1):
-                    for name, url in targets:  # interleaved: each target in turn
+                    # Interleaved, each target in turn, starting one further along per
+                    # request: whoever follows a given target inherits its wake (the
+                    # replicas' KV events from the last cold prompt reach every gateway
+                    # just then), which with a fixed order cost the gateway right after
+                    # `direct` ~3 ms on the cold prompt, whichever code it ran.
+                    shift = i % len(targets)
+                    for name, url in targets[shift:] + targets[:shift]:
                         raw = json.dumps(next(convs[name])).encode()
                         seconds = await one_request(session, url, scenario.path, raw)
                         if i:

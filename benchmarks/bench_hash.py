@@ -4,7 +4,9 @@
 
 The gateway tokenizes and hashes every request before it can route it, so these costs
 sit on the request path. This prints, for prompts of about 1k, 8k, 32k and 128k tokens:
-block hashing (every algorithm; full chain and one new turn on top of a known chain),
+block hashing (every algorithm; full chain and one new turn on top of a known chain;
+the gateway's path, ids already checked, beside the per-block loop with int() on
+every id it replaced, interleaved, as a ratio),
 and chat tokenization in full (a fresh tokenizer; a warm one without segment reuse)
 and incremental (one new ~200-token turn on a conversation whose history the segment
 cache has seen), checking that the incremental ids equal the full ones. The synthetic
@@ -70,6 +72,30 @@ def _best_of(fn: Callable[[], Any], repeats: int) -> float:
     return min(times)
 
 
+def _per_block_wrapper(config: HashConfig, ids: list[int]) -> list[bytes]:
+    """The loop before d7c33bc, kept to measure against: int() on every id, then each
+    block through config.hash_fn (a Python wrapper around serializer and digest)."""
+    tokens = list(map(int, ids))
+    size, hash_fn = config.block_size, config.hash_fn
+    parent, keys = config.root_hash(), []
+    for start in range(0, len(tokens) - size + 1, size):
+        parent = hash_fn((parent, tuple(tokens[start:start + size]), None))
+        keys.append(parent)
+    return keys
+
+
+def _interleaved_best(a: Callable[[], Any], b: Callable[[], Any], repeats: int,
+                      ) -> tuple[float, float]:
+    """Best times of a and b, run alternately (this machine's speed drifts)."""
+    times_a, times_b = [], []
+    for _ in range(repeats):
+        for fn, times in ((a, times_a), (b, times_b)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return min(times_a), min(times_b)
+
+
 def _rate(tokens: int, seconds: float) -> str:
     return f"{tokens / seconds / 1e6:8.2f} Mtok/s  {seconds * 1e3:9.2f} ms"
 
@@ -103,6 +129,11 @@ def _bench_size(model_dir: Path, size: int, block_size: int, algos: tuple[str, .
     for algo in algos:
         config = HashConfig(algo=algo, block_size=block_size, seed="0")
         t_hash = _best_of(partial(chain_hashes, config, next_ids), repeats)
+        # The gateway's own path: its ids are Python ints already (checked=True).
+        t_checked, t_wrapper = _interleaved_best(
+            lambda: BlockChain(config).extend(next_ids, checked=True),  # noqa: B023
+            partial(_per_block_wrapper, config, next_ids), max(repeats, 5))
+        assert _per_block_wrapper(config, next_ids) == chain_hashes(config, next_ids)
         known = chain_hashes(config, ids)
         extend_times = []
         for _ in range(repeats):
@@ -113,7 +144,9 @@ def _bench_size(model_dir: Path, size: int, block_size: int, algos: tuple[str, .
             chain.extend(next_ids[len(chain.tokens):])
             extend_times.append(time.perf_counter() - start)
         lines.append(f"  hash {algo:<12} full           {_rate(len(next_ids), t_hash)}"
-                     f"  new turn only {min(extend_times) * 1e3:7.3f} ms")
+                     f"  new turn only {min(extend_times) * 1e3:7.3f} ms"
+                     f"  ids checked {t_checked * 1e3:.2f} ms, per-block wrapper "
+                     f"{t_wrapper * 1e3:.2f} ms: x{t_checked / t_wrapper:.2f}")
     return lines
 
 
