@@ -59,6 +59,7 @@ from router.proxy import Forwarder
 from router.read_deadline import ReadDeadlineSite
 from router.replicas import Fleet, Replica, ReplicaSource, verify_keys
 from router.routing import ChainCache, RoutingPipeline
+from router.shared_segments import SharedSegments
 from router.shared_work import SharedWork
 from router.tenants import TenantRegistry
 from router.tokenize import PromptTokenizer
@@ -162,7 +163,7 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
         policy=build_policy(gw.config.policy, gw.rng),
         index_deadline_s=gw.config.index.deadline_ms / 1000.0, executor=gw.executor,
         pending=PendingChains(ttl_s=gw.config.policy.pending_ttl_s), clock=fleet.now,
-        shared=_shared_work(gw, fleet))
+        shared=_shared_work(gw, fleet), segments=_shared_segments(gw))
     gw.forwarder = Forwarder(gw.session, fleet, gw.config.proxy, gw.metrics, gw.rng)
     admission = Admission.from_config(gw.config.limits)
     gw.admission = admission
@@ -196,6 +197,8 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
         lambda: {r.replica_id: r.work.view(fleet.now()) for r in fleet.all()}),
         "shared-work-heartbeat")
     yield
+    if gw.pipeline.segments is not None:
+        await gw.pipeline.segments.drain()  # each report is bounded by its own deadline
     if shared is not None and heartbeat is not None:
         heartbeat.cancel()
         await asyncio.gather(heartbeat, return_exceptions=True)
@@ -218,6 +221,16 @@ def _shared_work(gw: Gateway, fleet: Fleet) -> SharedWork | None:
 
     fleet.listeners.added.append(share)
     return shared
+
+
+def _shared_segments(gw: Gateway) -> SharedSegments | None:
+    """With a Redis index (and index.share_segments), the token ids of long prompt
+    pieces are shared with the other gateways through it (router/shared_segments.py)."""
+    cfg = gw.config.index
+    if not (isinstance(gw.index, RedisIndex) and cfg.share_segments):
+        return None
+    return SharedSegments(gw.index.client, ttl_s=cfg.segment_ttl_s,
+                          timeout_s=cfg.deadline_ms / 1000.0)
 
 
 def _set_mode(replica: Replica) -> None:

@@ -35,6 +35,7 @@ from router.policy.pipeline import NoReplicasError
 from router.policy.types import ReplicaState, RoutingDecision, RoutingRequest
 from router.replicas import Replica
 from router.request import ParsedRequest
+from router.shared_segments import SharedSegments
 from router.shared_work import NO_PEER_WORK, PeerWork, SharedWork
 from router.tokenize import PromptTokenizer
 from router.vllm_rules import skips_prefix_cache
@@ -208,7 +209,9 @@ ENCODE_OFFLOAD_CHARS = 8 * 1024
 
 
 async def tokens_off_the_loop_when_long(tokenizer: Tokenizer | None, parsed: ParsedRequest,
-                                        executor: Executor) -> list[int] | None:
+                                        executor: Executor,
+                                        segments: SharedSegments | None = None,
+                                        ) -> list[int] | None:
     """prompt_tokens, with only the Rust tokenizer's encoding of long text it has not
     seen leaving the event loop.
 
@@ -217,16 +220,32 @@ async def tokens_off_the_loop_when_long(tokenizer: Tokenizer | None, parsed: Par
     up, then GIL switches at the interpreter's 5 ms interval) made bursts slower. Sixteen
     agent chats at once (24 tools, 30 KB each) on one core: routing decisions took 42 ms
     on average with the whole preparation in threads, 20 ms with only this.
+
+    With `segments` (a Redis index shared by several gateways), a chat's long pieces the
+    segment cache lacks are asked of Redis first, and those encoded here are reported
+    after (router/shared_segments.py).
     """
     if parsed.token_ids is not None or not isinstance(tokenizer, PromptTokenizer):
         return prompt_tokens(tokenizer, parsed)
     loop = asyncio.get_running_loop()
     if parsed.endpoint == "chat":
         text, special = tokenizer.chat_text(parsed.body)
+        missing: list[str] = []
+        if segments is not None and not special:
+            missing = tokenizer.long_uncached_pieces(text, segments.min_chars)
+            if missing:
+                fetched = await segments.fetch(tokenizer.identity, missing, tokenizer.vocab_size)
+                tokenizer.adopt(fetched)
+                missing = [p for p in missing if p not in fetched]
         if tokenizer.uncached_chars(text, special) > ENCODE_OFFLOAD_CHARS:
-            return await loop.run_in_executor(executor, tokenizer.chat_ids, text, special,
-                                              parsed.body)
-        return tokenizer.chat_ids(text, special, parsed.body)
+            ids = await loop.run_in_executor(executor, tokenizer.chat_ids, text, special,
+                                             parsed.body)
+        else:
+            ids = tokenizer.chat_ids(text, special, parsed.body)
+        if segments is not None and missing:
+            segments.report(tokenizer.identity, [(p, cached) for p in missing
+                                                 if (cached := tokenizer.cached_ids(p)) is not None])
+        return ids
     prompt = parsed.body.get("prompt")
     texts = [prompt] if isinstance(prompt, str) else \
         [p for p in prompt if isinstance(p, str)] if isinstance(prompt, list) else []
@@ -432,6 +451,7 @@ class RoutingPipeline:
     pending: PendingChains | None = None
     clock: Callable[[], float] = time.monotonic
     shared: SharedWork | None = None
+    segments: SharedSegments | None = None
 
     async def route(self, parsed: ParsedRequest, replicas: Sequence[Replica], now: float,
                     tenant: str | None, cache_salt: str | None,
@@ -455,7 +475,8 @@ class RoutingPipeline:
         tokenizer = tokenizer or self.tokenizers.get(parsed.model)
         if offload and self.executor is not None:
             prepared = time.perf_counter()
-            tokens = await tokens_off_the_loop_when_long(tokenizer, parsed, self.executor)
+            tokens = await tokens_off_the_loop_when_long(tokenizer, parsed, self.executor,
+                                                         self.segments)
             prompt = key_prompt(tokens, self.chains, list(members), cache_salt, prepared)
         else:
             prompt = prepare_prompt(tokenizer, self.chains, parsed, list(members), cache_salt)

@@ -30,11 +30,12 @@ added tokens that strip neighbouring spaces).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -110,6 +111,11 @@ class SegmentCache:
             with self._lock:
                 del self._encoding[segment]
             done.set()
+
+    def peek(self, segment: str) -> tuple[int, ...] | None:
+        """The segment's ids if cached (not counted as a use)."""
+        with self._lock:
+            return self._entries.get(segment)
 
     def holds(self, segment: str) -> bool:
         """Whether `segment` is cached (not counted as a use; one being encoded is not)."""
@@ -217,6 +223,9 @@ class PromptTokenizer:
         # The replica's --chat-template, when it overrides the tokenizer's own.
         self._chat_template = chat_template
         self.vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
+        # Which tokenizer this is, for sharing segment ids between gateways
+        # (router/shared_segments.py): equal only where the ids would be.
+        self.identity = hashlib.sha256(backend_json.encode()).hexdigest()[:32]
         parsed = json.loads(backend_json)
         added = sorted(
             (t["content"] for t in parsed.get("added_tokens", []) if t.get("content")),
@@ -388,6 +397,26 @@ class PromptTokenizer:
             return len(text)
         return sum(len(piece) for piece in splitter.split(text)
                    if piece and piece not in self._added_ids and not cache.holds(piece))
+
+    def long_uncached_pieces(self, text: str, min_chars: int) -> list[str]:
+        """The pieces of `text` (between special tokens) of at least `min_chars` that the
+        segment cache does not hold, each once: what is worth asking other gateways for."""
+        cache, splitter = self.segment_cache, self._splitter
+        if cache is None or splitter is None:
+            return []
+        pieces = (p for p in splitter.split(text) if len(p) >= min_chars)
+        return list(dict.fromkeys(p for p in pieces
+                                  if p not in self._added_ids and not cache.holds(p)))
+
+    def adopt(self, segments: Mapping[str, tuple[int, ...]]) -> None:
+        """Put ids another gateway encoded (for this same tokenizer) into the cache."""
+        if self.segment_cache is not None:
+            for piece, ids in segments.items():
+                self.segment_cache.put(piece, ids)
+
+    def cached_ids(self, piece: str) -> tuple[int, ...] | None:
+        """A piece's ids if the segment cache holds them."""
+        return None if self.segment_cache is None else self.segment_cache.peek(piece)
 
     # -- completions ----------------------------------------------------------
 

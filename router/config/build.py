@@ -267,6 +267,8 @@ def _index(s: _Section, env: Mapping[str, str]) -> IndexConfig:
         password_env=password_env,
         password=password,
         tls_ca_file=s.get("tls_ca_file", _optional(_str), None),
+        share_segments=s.get("share_segments", _bool, d.share_segments),
+        segment_ttl_s=s.get("segment_ttl_s", _pos_number, d.segment_ttl_s),
     )
     if out.tls_ca_file is not None and not out.backend.startswith("rediss"):
         raise ConfigError(s.sub("tls_ca_file"), f"needs a rediss:// backend, got {out.backend!r}")

@@ -120,6 +120,11 @@ class IndexConfig:
     password: str | None = field(default=None, repr=False)
     # rediss:// only: the CA bundle that verifies the Redis server's certificate.
     tls_ca_file: str | None = None
+    # Redis only: gateways share the token ids of long prompt pieces (system prompts,
+    # tools, histories) once two of them had to encode one, kept segment_ttl_s
+    # (router/shared_segments.py; 4 bytes a token).
+    share_segments: bool = True
+    segment_ttl_s: float = 600.0
 
     @property
     def is_redis(self) -> bool:
