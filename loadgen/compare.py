@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'smg:NAME' runs a peer's policy NAME; NAME@KEY=VALUE[@...] one of "
                              "ours with policy settings of its own (e.g. "
                              "cache_aware@work_weight=0; SECTION.KEY for a key of health, "
-                             "proxy, limits or listen, e.g. cache_aware@listen.workers=2), "
+                             "proxy, limits, listen or index, e.g. cache_aware@listen.workers=2), "
                              "run interleaved with the rest; NAME*N runs N instances")
     parser.add_argument("--replica-kind", choices=("sim", "vllm"), default="sim",
                         help="vllm: real servers of --model-dir (on CPU the block size must "

@@ -147,9 +147,9 @@ def gateway_config(policy: str, fleet: TargetFleet, port: int, index: str, model
 
 
 # Sections of gateway.yaml other than `policy:` a variant may set (SECTION.KEY=VALUE);
-# not listen.host or listen.port, which the harness picks and connects to.
-VARIANT_SECTIONS = ("health", "proxy", "limits", "listen")
-_HARNESS_KEYS = ("listen.host", "listen.port")
+# not listen.host, listen.port or index.backend, which the harness picks and connects to.
+VARIANT_SECTIONS = ("health", "proxy", "limits", "listen", "index")
+_HARNESS_KEYS = ("listen.host", "listen.port", "index.backend")
 
 
 def _section_key(key: str) -> tuple[str, str]:

@@ -220,8 +220,12 @@ def test_policy_variants_carry_their_own_settings_and_bad_ones_are_named() -> No
     assert gateway_config(name, fleet, 9000, "memory", Path("/m"), 0, None,
                           {"listen.workers": 2})["listen"] == {
         "host": "127.0.0.1", "port": 9000, "workers": 2}
+    assert gateway_config(name, fleet, 9000, "redis://h:1", Path("/m"), 0, None,
+                          {"index.share_segments": False})["index"] == {
+        "backend": "redis://h:1", "share_segments": False}
     for bad in ("cache_aware@work_weight", "cache_aware@name=random", "cache_aware@=1",
-                "cache_aware@listen.port=1", "cache_aware@health.=1", "cache_aware@tenants.x=1"):
+                "cache_aware@listen.port=1", "cache_aware@health.=1", "cache_aware@tenants.x=1",
+                "cache_aware@index.backend=memory"):
         with pytest.raises(HarnessError, match="policy variant"):
             policy_variant(bad)
 
