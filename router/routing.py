@@ -475,8 +475,11 @@ class RoutingPipeline:
         tokenizer = tokenizer or self.tokenizers.get(parsed.model)
         if offload and self.executor is not None:
             prepared = time.perf_counter()
-            tokens = await tokens_off_the_loop_when_long(tokenizer, parsed, self.executor,
-                                                         self.segments)
+            # Segment ids are shared only while another gateway is live (as far as the
+            # shared work shows): alone, a fetch could only find what it encoded itself.
+            alone = self.shared is not None and self.shared.alone
+            tokens = await tokens_off_the_loop_when_long(
+                tokenizer, parsed, self.executor, None if alone else self.segments)
             prompt = key_prompt(tokens, self.chains, list(members), cache_salt, prepared)
         else:
             prompt = prepare_prompt(tokenizer, self.chains, parsed, list(members), cache_salt)

@@ -26,7 +26,10 @@ where their tokenizers would produce the same ones. sha256 of the text (not a fa
 hash) so that no client can craft a piece colliding with another tenant's; ids read
 back are checked against the vocabulary. The ids only steer routing (vLLM tokenizes
 the prompt itself), so a stale or wrong value would cost a cache miss, not an answer.
-With Redis slow or away, every piece is encoded locally, as without sharing.
+With Redis slow or away, every piece is encoded locally, as without sharing. A gateway
+that the shared work (router/shared_work.py) shows alone neither asks nor reports: one
+gateway serving unique long prompts would otherwise pay a round trip and a write per
+request for nothing.
 """
 
 from __future__ import annotations

@@ -117,6 +117,7 @@ class SharedWork:
         self._dead: list[bytes] = []
         self._flushing: asyncio.Task[None] | None = None
         self._alone_until = float("-inf")  # no read is due before this (read_due)
+        self.alone = False  # the last read found no other live gateway
         self.write_failures = 0
 
     def _field(self, replica_id: str) -> bytes:
@@ -164,7 +165,8 @@ class SharedWork:
         if dead:
             self._dead = dead  # deleted by the next heartbeat
         # parse() reports every live gateway's replicas, idle ones too: empty means alone.
-        self._alone_until = wall + self.heartbeat_s if not peers else float("-inf")
+        self.alone = not peers
+        self._alone_until = wall + self.heartbeat_s if self.alone else float("-inf")
         return peers
 
     async def heartbeat(self, views: Callable[[], Mapping[str, WorkView]]) -> None:

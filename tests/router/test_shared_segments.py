@@ -166,3 +166,54 @@ def test_index_share_segments_is_a_setting(share: bool) -> None:
     }, {"CACHEROUTE_SALT_SECRET": "shared-segments-test-secret-01"})
     assert config.index.share_segments is share
     assert config.index.segment_ttl_s == 60
+
+
+async def test_a_gateway_alone_neither_asks_nor_reports(
+        redis_server: Any, tiny_model_dir: Path) -> None:
+    from router.hashing import HashConfig
+    from router.index import MemoryIndex
+    from router.outstanding import WorkView
+    from router.policy.pipeline import build_policy
+    from router.policy.types import PolicyConfig
+    from router.replicas import Replica, ReplicaSource
+    from router.routing import ChainCache, RoutingPipeline
+    from router.shared_work import SharedWork
+
+    client = Redis.from_url(redis_server.url)
+    executor = ThreadPoolExecutor(2)
+    try:
+        gateway = await _gateway(tiny_model_dir, client)
+        shared = SharedWork(client, gateway_id="me")
+        pipeline = RoutingPipeline(
+            tokenizers={"m": gateway.tokenizer}, chains=ChainCache(), index=MemoryIndex(),
+            policy=build_policy(PolicyConfig(seed=1)), index_deadline_s=1.0,
+            executor=executor, shared=shared, segments=gateway.segments)
+        source = ReplicaSource(name="r0", url="http://127.0.0.1:9000", models=("m",),
+                               hash_config=HashConfig(block_size=16))
+        replicas = [Replica(target=source.target(), healthy=True)]
+
+        async def route(question: str) -> None:
+            raw = json.dumps({"model": "m", "messages": [
+                {"role": "system", "content": SYSTEM + question},
+                {"role": "user", "content": question}]}).encode()
+            parsed = parse_request(raw, "chat", served_models=(), limits=LimitsConfig(),
+                                   tenant=REGISTRY.identify(None), registry=REGISTRY)
+            await pipeline.route(parsed, replicas, 0.0, tenant=None, cache_salt=None)
+            await gateway.segments.drain()
+
+        await shared.read(1.0)
+        assert shared.alone
+        await route("alone")
+        assert len(gateway.encoded_long) == 1
+        assert [k async for k in client.scan_iter(b"cr:{seg:*}")] == []  # not even a count
+
+        other = SharedWork(client, gateway_id="other")
+        other.publish("r0", WorkView())
+        await other.flushed()
+        await shared.read(1.0)
+        assert not shared.alone
+        await route("with company")
+        assert len([k async for k in client.scan_iter(b"cr:{seg:*}:n:*")]) == 1
+    finally:
+        executor.shutdown()
+        await client.aclose()
