@@ -52,6 +52,7 @@ from router.metrics import (
     StreamGauges,
     bounded_families,
     fleet_families,
+    shared_segment_families,
 )
 from router.pending import PendingChains
 from router.policy.pipeline import build_policy
@@ -314,7 +315,10 @@ def _fleet_gauges(gw: Gateway) -> Iterable[Metric]:
     streams = {} if gw.indexer is None else {
         rid: StreamGauges(s.lag_s(), s.gaps, s.restarts, s.index_errors, s.decode_errors)
         for rid, s in gw.indexer.stats().items()}
-    return [*fleet_families(replicas, streams), *bounded_families(_bounded(gw))]
+    segments = None if gw.pipeline is None else gw.pipeline.segments
+    shared = [] if segments is None else shared_segment_families(
+        segments.fetched, segments.reported, segments.failures)
+    return [*fleet_families(replicas, streams), *bounded_families(_bounded(gw)), *shared]
 
 
 def _bounded(gw: Gateway) -> list[Bounded]:

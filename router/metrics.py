@@ -125,6 +125,18 @@ def bounded_families(structures: Iterable[Bounded]) -> list[Metric]:
     return [entries, capacity]
 
 
+def shared_segment_families(fetched: int, reported: int, failures: int) -> list[Metric]:
+    """What sharing segment ids through Redis did (router/shared_segments.py)."""
+    family = CounterMetricFamily(
+        "cacheroute_shared_segments",
+        "Long prompt pieces: fetched (ids read from Redis instead of encoded), reported "
+        "(encoded here and counted there), failed (Redis reads or reports that failed).",
+        labels=["outcome"])
+    for outcome, value in (("fetched", fetched), ("reported", reported), ("failed", failures)):
+        family.add_metric([outcome], value)
+    return [family]
+
+
 class GatewayMetrics:
     """One gateway's collectors, in its own registry."""
 

@@ -217,3 +217,20 @@ async def test_a_gateway_alone_neither_asks_nor_reports(
     finally:
         executor.shutdown()
         await client.aclose()
+
+
+def test_the_gateway_exports_what_sharing_did() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from router.metrics import shared_segment_families
+
+    class Families:
+        def collect(self) -> Any:
+            return shared_segment_families(fetched=3, reported=5, failures=1)
+
+    registry = CollectorRegistry()
+    registry.register(Families())  # type: ignore[arg-type]
+    text = generate_latest(registry).decode()
+    assert 'cacheroute_shared_segments_total{outcome="fetched"} 3.0' in text
+    assert 'cacheroute_shared_segments_total{outcome="reported"} 5.0' in text
+    assert 'cacheroute_shared_segments_total{outcome="failed"} 1.0' in text
