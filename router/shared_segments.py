@@ -131,30 +131,28 @@ class SharedSegments:
         if len(self._reported_at) > _MAX_REMEMBERED:
             self._reported_at = {k: t for k, t in self._reported_at.items()
                                  if now - t < self.ttl_s}
-        fresh = []
+        fresh: list[tuple[bytes, bytes, tuple[int, ...]]] = []  # ids key, count key, ids
         for piece, ids in encoded:
-            count_key = self._keys(tokenizer_id, piece)[1]
+            ids_key, count_key = self._keys(tokenizer_id, piece)
             if now - self._reported_at.get(count_key, -math.inf) >= self.ttl_s:
                 self._reported_at[count_key] = now
-                fresh.append((piece, ids))
+                fresh.append((ids_key, count_key, ids))
         if not fresh:
             return
-        task = asyncio.get_running_loop().create_task(self._report(tokenizer_id, fresh))
+        task = asyncio.get_running_loop().create_task(self._report(fresh))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _report(self, tokenizer_id: str,
-                      encoded: Sequence[tuple[str, tuple[int, ...]]]) -> None:
+    async def _report(self, encoded: Sequence[tuple[bytes, bytes, tuple[int, ...]]]) -> None:
         ttl_ms = int(self.ttl_s * 1000)
-        keys = [self._keys(tokenizer_id, piece) for piece, _ in encoded]
         try:
             pipe = self.client.pipeline(transaction=False)
-            for _, count_key in keys:
+            for _, count_key, _ in encoded:
                 pipe.incr(count_key)
                 pipe.pexpire(count_key, ttl_ms)
             counts = (await within(pipe.execute(), 4 * self.timeout_s))[0::2]
-            second = [(ids_key, ids) for (ids_key, _), (_, ids), n
-                      in zip(keys, encoded, counts, strict=True) if int(n) >= 2]
+            second = [(ids_key, ids) for (ids_key, _, ids), n
+                      in zip(encoded, counts, strict=True) if int(n) >= 2]
             if second:
                 pipe = self.client.pipeline(transaction=False)
                 for ids_key, ids in second:
