@@ -93,19 +93,38 @@ class BatchPlan:
     ops: list[IndexOp] = field(default_factory=list)
     probes: list[ProbeSeen] = field(default_factory=list)
     applied: int = 0
+    # The last op's keys while it can still grow: vLLM sends one BlockRemoved per
+    # evicted block, and rebuilding a tuple per event made a batch of n removals cost
+    # n^2/2 copies (512 evictions: 131k).
+    _open: list[int] | None = field(default=None, repr=False)
 
     def push(self, kind: Literal["add", "remove"], scope: str, keys: Sequence[int],
              parent: int | None = None) -> None:
-        # Consecutive events of one kind and scope become one index write (vLLM sends
-        # one BlockRemoved per evicted block); order across kinds is kept. An add keeps
-        # its parent (the index checks that the replica holds it), so it joins the last
-        # add only as a chain root or that add's continuation.
+        # Consecutive events of one kind and scope become one index write; order across
+        # kinds is kept. An add keeps its parent (the index checks that the replica
+        # holds it), so it joins the last add only as a chain root or that add's
+        # continuation.
         last = self.ops[-1] if self.ops else None
-        if last is not None and last.kind == kind and last.scope == scope and (
-                kind == "remove" or parent is None or parent == last.keys[-1]):
-            self.ops[-1] = IndexOp(kind, scope, last.keys + tuple(keys), last.parent)
-        else:
-            self.ops.append(IndexOp(kind, scope, tuple(keys), parent))
+        if last is not None and self._open is not None and last.kind == kind and \
+                last.scope == scope and (kind == "remove" or parent is None or
+                                         (bool(self._open) and parent == self._open[-1])):
+            self._open.extend(keys)
+            return
+        self.close()
+        self.ops.append(IndexOp(kind, scope, (), parent))
+        self._open = list(keys)
+
+    def append(self, op: IndexOp) -> None:
+        """An op that never merges with its neighbours (a clear)."""
+        self.close()
+        self.ops.append(op)
+
+    def close(self) -> BatchPlan:
+        """Seal the last op's keys (plan() does; call it after pushing by hand)."""
+        if self._open is not None:
+            self.ops[-1] = replace(self.ops[-1], keys=tuple(self._open))
+            self._open = None
+        return self
 
 
 class BatchPlanner:
@@ -166,7 +185,7 @@ class BatchPlanner:
             if isinstance(event, AllBlocksCleared):
                 self._held.clear()
                 self._probe_blocks.clear()
-                plan.ops.append(IndexOp("clear"))
+                plan.append(IndexOp("clear"))
                 plan.applied += 1
             elif event.medium not in self._media:
                 self.stats.events_ignored += 1
@@ -176,6 +195,7 @@ class BatchPlanner:
             elif isinstance(event, BlockRemoved):
                 self._plan_removed(event, plan)
                 plan.applied += 1
+        plan.close()
         if self._rekey is not None and self.rekeying:
             # Decided once the whole batch is planned (its root block may decide it).
             size = self._rekey.block_size
@@ -186,7 +206,7 @@ class BatchPlanner:
         return self.model if not lora_name else f"{self.model}@{lora_name}"
 
     def _plan_stored(self, event: BlockStored, plan: BatchPlan) -> bool:
-        replica_keys = [block_key_int(h) for h in event.block_hashes]
+        replica_keys = [h if type(h) is int else block_key_int(h) for h in event.block_hashes]
         at_root = event.parent_block_hash is None
         if at_root and self._rekey is not None and self.stats.key_check is None and (
                 self._rekey_mode == "auto"):
@@ -268,6 +288,12 @@ class BatchPlanner:
                         "its blocks cannot be re-keyed (another block size) and are skipped")
 
     def _plan_removed(self, event: BlockRemoved, plan: BatchPlan) -> None:
+        if not self._probe_blocks and not self._held and not self.rekeying:
+            # The common case (base-model blocks indexed under the replica's keys, no
+            # probe in flight): nothing to look up per block.
+            plan.push("remove", self.model, [h if type(h) is int else block_key_int(h)
+                                             for h in event.block_hashes])
+            return
         for h in event.block_hashes:
             rk = block_key_int(h)
             if rk in self._probe_blocks:

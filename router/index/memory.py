@@ -128,10 +128,14 @@ class MemoryIndex:
         """The replica evicted these blocks."""
         holders = self._holders.get(model, {})
         lru = self._lru.get((model, replica))
-        for key in keys:
-            self._drop(holders, key, replica)
-            if lru is not None:
-                lru.pop(key, None)
+        gone: OrderedDict[int, None] = lru if lru is not None else OrderedDict()
+        for key in keys:  # _drop inlined: a batch of evictions is hundreds of keys
+            held = holders.get(key)
+            if held is not None:
+                held.pop(replica, None)
+                if not held:
+                    del holders[key]
+            gone.pop(key, None)
         if lru:
             self._holed.add((model, replica))
         else:
