@@ -42,6 +42,7 @@ def child(repo: Path, blocks: int, batches: int) -> float:
         BlockRemoved,
         BlockStored,
         EventBatch,
+        KVEvent,
         decode_batch,
         encode_batch,
     )
@@ -51,14 +52,14 @@ def child(repo: Path, blocks: int, batches: int) -> float:
     previous: list[int] = []
     for _ in range(batches):
         keys = [rng.getrandbits(63) for _ in range(blocks)]
-        events: list[BlockStored | BlockRemoved] = [
+        events: list[KVEvent] = [
             BlockRemoved(block_hashes=[k], medium="GPU") for k in previous]
         events.append(BlockStored(
             block_hashes=keys, parent_block_hash=None,
             token_ids=[rng.randrange(3000) for _ in range(blocks * 16)], block_size=16,
             lora_id=None, medium="GPU", lora_name=None))
         previous = keys
-        payloads.append(encode_batch(EventBatch(ts=time.time(), events=list(events))))
+        payloads.append(encode_batch(EventBatch(ts=time.time(), events=events)))
 
     async def run() -> list[float]:
         planner = BatchPlanner("r0", "m", StreamStats())
