@@ -49,9 +49,9 @@ def child(repo: Path, blocks: int, batches: int) -> float:
 
     rng = random.Random(7)
     payloads = []
-    previous: list[int] = []
+    previous: list[int | bytes] = []
     for _ in range(batches):
-        keys = [rng.getrandbits(63) for _ in range(blocks)]
+        keys: list[int | bytes] = [rng.getrandbits(63) for _ in range(blocks)]
         events: list[KVEvent] = [
             BlockRemoved(block_hashes=[k], medium="GPU") for k in previous]
         events.append(BlockStored(
