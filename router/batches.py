@@ -21,17 +21,24 @@ from collections.abc import Sequence
 from router.gateway import Gateway
 from router.hashing import HashConfig
 from router.replicas import Replica
+from router.request import ParsedRequest
 from router.routing import Route, lookup_matches, predicted_cached_tokens
 from router.vllm_rules import skips_prefix_cache
+
+
+def is_batch(parsed: ParsedRequest) -> bool:
+    """Whether a request is a completions batch (several prompts, as text or id lists)."""
+    prompt = parsed.body.get("prompt") if parsed.endpoint == "completions" else None
+    return isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
 
 
 def batch_prompts(gw: Gateway, route: Route) -> list[list[int]] | None:
     """Every prompt's ids of a batched completions request, as the replica sees them;
     None for a single prompt, or where the gateway cannot tokenize the batch."""
     parsed = route.parsed
-    prompt = parsed.body.get("prompt") if parsed.endpoint == "completions" else None
-    if not isinstance(prompt, list) or not prompt or not isinstance(prompt[0], str | list):
+    if not is_batch(parsed):
         return None
+    prompt = parsed.body["prompt"]
     tokenizer = gw.tokenizers.get(parsed.model)
     if tokenizer is not None:
         return tokenizer.completion_prompts(parsed.body)
@@ -69,8 +76,10 @@ async def predict_batch(gw: Gateway, route: Route, replicas: Sequence[Replica]) 
     """Set `route.predicted` to what each replica would report for this batch (see the
     module docstring). A no-op for a single prompt, a stream, or a cache-skipping request."""
     parsed = route.parsed
-    if parsed.stream or skips_prefix_cache(parsed.body, chat=False) or \
-            route.prompt.tokens is None:
+    # Checked here, not in the thread: a hop to the executor and back costs a thread
+    # wake-up and a GIL hand-off, which every non-streamed request paid for nothing.
+    if parsed.stream or not is_batch(parsed) or skips_prefix_cache(parsed.body, chat=False) \
+            or route.prompt.tokens is None:
         return
     members: dict[HashConfig, set[str]] = {}
     for r in replicas:
