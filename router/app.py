@@ -30,6 +30,7 @@ from prometheus_client.core import Metric
 
 from router.admin import build_admin_app
 from router.admission import Admission
+from router.arrival_order import ArrivalOrder
 from router.completions import handle_completion
 from router.config import GatewayConfig
 from router.endpoints import handle_by_model, handle_conversation, handle_version
@@ -168,6 +169,7 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
     gw.forwarder = Forwarder(gw.session, fleet, gw.config.proxy, gw.metrics, gw.rng)
     admission = Admission.from_config(gw.config.limits)
     gw.admission = admission
+    gw.arrival = ArrivalOrder() if gw.config.proxy.route_in_arrival_order else None
     fleet.listeners.added.append(
         lambda r: admission.set_replica_limit(r.replica_id, r.target.max_concurrency))
     gw.metrics.add_scrape_callback(lambda: _fleet_gauges(gw))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from router.arrival_order import NO_TURN, TurnLike
 from router.gateway import Gateway
 from router.hashing import HashConfig
 from router.replicas import Replica
@@ -72,7 +73,8 @@ def _last_prompt_keys(gw: Gateway, route: Route, configs: list[HashConfig],
     return last, prompts[:-1], keys
 
 
-async def predict_batch(gw: Gateway, route: Route, replicas: Sequence[Replica]) -> None:
+async def predict_batch(gw: Gateway, route: Route, replicas: Sequence[Replica],
+                        turn: TurnLike = NO_TURN) -> None:
     """Set `route.predicted` to what each replica would report for this batch (see the
     module docstring). A no-op for a single prompt, a stream, or a cache-skipping request."""
     parsed = route.parsed
@@ -85,14 +87,15 @@ async def predict_batch(gw: Gateway, route: Route, replicas: Sequence[Replica]) 
     for r in replicas:
         members.setdefault(r.target.hash_config, set()).add(r.replica_id)
     # Tokenizing and hashing every prompt is the long part: off the loop.
-    loop = asyncio.get_running_loop()
-    keyed = await loop.run_in_executor(gw.executor, _last_prompt_keys, gw, route, list(members))
-    if keyed is None:
-        return
-    last, earlier, keys = keyed
-    assert gw.pipeline is not None
-    lookup = await lookup_matches(gw.pipeline.index, parsed.model, keys, members,
-                                  gw.config.index.deadline_ms / 1000.0)
+    async with turn.away():  # a thread, then the index: the next request computes
+        loop = asyncio.get_running_loop()
+        keyed = await loop.run_in_executor(gw.executor, _last_prompt_keys, gw, route, list(members))
+        if keyed is None:
+            return
+        last, earlier, keys = keyed
+        assert gw.pipeline is not None
+        lookup = await lookup_matches(gw.pipeline.index, parsed.model, keys, members,
+                                      gw.config.index.deadline_ms / 1000.0)
     for r in replicas:
         block = r.target.hash_config.block_size
         matched = max(lookup.matches.get(r.replica_id, 0), _shared_blocks(last, earlier, block))

@@ -9,6 +9,7 @@ import time
 from aiohttp import web
 
 from router.admission import Overloaded
+from router.arrival_order import NO_TURN, TurnLike
 from router.batches import predict_batch
 from router.event_watch import expect_events
 from router.gateway import (
@@ -56,6 +57,15 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     arrived = time.perf_counter()
     tenant = tenant_of(gw, request)
     raw = await _read_body(request, gw.config.proxy.max_body_bytes)
+    # From here to going upstream the work is the loop's CPU: taken in arrival order
+    # (router/arrival_order.py), letting go around I/O waits.
+    async with gw.arrival.turn() if gw.arrival is not None else NO_TURN as turn:
+        return await _route_and_forward(gw, request, raw, tenant, arrived, turn)
+
+
+async def _route_and_forward(gw: Gateway, request: web.Request, raw: bytes, tenant: Tenant,
+                             arrived: float, turn: TurnLike) -> web.StreamResponse:
+    assert gw.fleet is not None and gw.pipeline is not None
     # On the loop whatever its size: msgspec holds the GIL while it decodes (~40 ns a
     # prompt token, 1.3 ms at 32k), so a thread would stall the loop as long, plus the
     # hand-off (router/routing.py tokens_off_the_loop_when_long says what that cost).
@@ -73,16 +83,18 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     session_key = request.headers.get("x-session-id") or _str_or_none(parsed.body.get("user"))
     known: KnownTokens | None = None
     if gw.config.proxy.tokenize_mode == "remote" and parsed.token_ids is None:
-        known = await _remote_tokens(gw, parsed, served)
+        async with turn.away():
+            known = await _remote_tokens(gw, parsed, served)
     try:
         route = await gw.pipeline.route(parsed, served, gw.fleet.now(), tenant.tenant_id,
                                         parsed.cache_salt,
                                         session_key, offload=True,
-                                        tokenizer=known, reserve=True)
+                                        tokenizer=known, reserve=True, turn=turn)
     except NoReplicasError:
         return json_error(503, "no replica serves this model", "service_unavailable")
     try:
-        return await _admit_and_forward(gw, request, route, tenant, parsed, served, arrived)
+        return await _admit_and_forward(gw, request, route, tenant, parsed, served, arrived,
+                                        turn)
     finally:
         # Whatever ended it (a refusal, an error, an answer), no reservation outlives it.
         route.release(gw.fleet.now())
@@ -90,10 +102,10 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
 
 async def _admit_and_forward(gw: Gateway, request: web.Request, route: Route, tenant: Tenant,
                              parsed: ParsedRequest, served: list[Replica],
-                             arrived: float) -> web.StreamResponse:
+                             arrived: float, turn: TurnLike) -> web.StreamResponse:
     assert gw.admission is not None
     _check_context_length(gw, parsed, route.prompt.num_tokens)
-    await predict_batch(gw, route, served)  # a batch reports its last prompt's cached tokens
+    await predict_batch(gw, route, served, turn)  # a batch reports its last prompt's cached tokens
     decision = route.decision
     if route.lookup.fallback is not None:
         gw.metrics.record_fallback(route.lookup.fallback)
@@ -111,10 +123,14 @@ async def _admit_and_forward(gw: Gateway, request: web.Request, route: Route, te
         if finding is not None:
             gw.metrics.record_hygiene(["prefix_divergence"])
             log.warning("prompt hygiene: %s", finding.describe())
-    try:
-        slot = await gw.admission.acquire([r.replica_id for r in route.candidates])
-    except Overloaded as exc:
-        return _overloaded(gw, tenant, exc)
+    candidate_ids = [r.replica_id for r in route.candidates]
+    slot = gw.admission.try_acquire(candidate_ids)
+    if slot is None:
+        try:
+            async with turn.away():  # queued behind other requests: maybe for long
+                slot = await gw.admission.acquire(candidate_ids)
+        except Overloaded as exc:
+            return _overloaded(gw, tenant, exc)
     async with slot:  # released when the response is done, however it ends
         # The admitted replica goes first; the rest keep the policy's order for failover.
         candidates = sorted(route.candidates, key=lambda r: r.replica_id != slot.replica_id)
@@ -128,7 +144,7 @@ async def _admit_and_forward(gw: Gateway, request: web.Request, route: Route, te
                       list(decision.relaxed))
         gw.metrics.record_routed(chosen.replica_id, decision.policy, route.prompt.num_tokens,
                                  route.predicted_for(chosen.replica_id), route.decision_seconds)
-        return await _forward(gw, request, route, candidates, arrived)
+        return await _forward(gw, request, route, candidates, arrived, turn)
 
 
 def _overloaded(gw: Gateway, tenant: Tenant, exc: Overloaded) -> web.Response:
@@ -150,7 +166,7 @@ def _check_context_length(gw: Gateway, parsed: ParsedRequest, prompt_tokens: int
 
 
 async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: list[Replica],
-                   arrived: float) -> web.StreamResponse:
+                   arrived: float, turn: TurnLike) -> web.StreamResponse:
     assert gw.forwarder is not None and gw.fleet is not None
     parsed = route.parsed
     want_ids = any(r.mode == "record" for r in candidates)
@@ -182,6 +198,7 @@ async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: 
         return out
 
     sent_at = time.time()  # the KV-event streams' clock
+    turn.end()  # the next request computes while this one is upstream
     response, outcome = await gw.forwarder.forward(request, up, candidates, response_headers)
     if outcome.first_byte_at is not None:
         gw.metrics.record_first_byte(outcome.first_byte_at - arrived)

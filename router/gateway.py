@@ -22,6 +22,7 @@ import aiohttp
 from aiohttp import web
 
 from router.admission import Admission
+from router.arrival_order import ArrivalOrder
 from router.config import GatewayConfig
 from router.events import EventIndexer
 from router.hygiene import PromptHygiene
@@ -71,6 +72,8 @@ class Gateway:
     pipeline: RoutingPipeline | None = None
     forwarder: Forwarder | None = None
     admission: Admission | None = None
+    # Requests' routing work in arrival order (proxy.route_in_arrival_order); None: off.
+    arrival: ArrivalOrder | None = None
     hygiene: PromptHygiene = field(default_factory=PromptHygiene)
     index_status: str = "unknown"
     index_up: bool | None = None  # None until the index has first answered or failed

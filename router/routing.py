@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import xxhash
 
+from router.arrival_order import NO_TURN, TurnLike
 from router.hashing import BlockChain, HashConfig, event_key, max_cacheable_blocks
 from router.index import IndexUnavailable, PrefixIndex
 from router.outstanding import WorkView, fleet_bias, with_prior
@@ -211,6 +212,7 @@ ENCODE_OFFLOAD_CHARS = 8 * 1024
 async def tokens_off_the_loop_when_long(tokenizer: Tokenizer | None, parsed: ParsedRequest,
                                         executor: Executor,
                                         segments: SharedSegments | None = None,
+                                        turn: TurnLike = NO_TURN,
                                         ) -> list[int] | None:
     """prompt_tokens, with only the Rust tokenizer's encoding of long text it has not
     seen leaving the event loop.
@@ -224,6 +226,9 @@ async def tokens_off_the_loop_when_long(tokenizer: Tokenizer | None, parsed: Par
     With `segments` (a Redis index shared by several gateways), a chat's long pieces the
     segment cache lacks are asked of Redis first, and those encoded here are reported
     after (router/shared_segments.py).
+
+    `turn` is the request's place in the arrival order (router/arrival_order.py): let go
+    of while Redis or the tokenizer threads work.
     """
     if parsed.token_ids is not None or not isinstance(tokenizer, PromptTokenizer):
         return prompt_tokens(tokenizer, parsed)
@@ -234,12 +239,15 @@ async def tokens_off_the_loop_when_long(tokenizer: Tokenizer | None, parsed: Par
         if segments is not None and not special:
             missing = tokenizer.long_uncached_pieces(text, segments.min_chars)
             if missing:
-                fetched = await segments.fetch(tokenizer.identity, missing, tokenizer.vocab_size)
+                async with turn.away():
+                    fetched = await segments.fetch(tokenizer.identity, missing,
+                                                   tokenizer.vocab_size)
                 tokenizer.adopt(fetched)
                 missing = [p for p in missing if p not in fetched]
         if tokenizer.uncached_chars(text, special) > ENCODE_OFFLOAD_CHARS:
-            ids = await loop.run_in_executor(executor, tokenizer.chat_ids, text, special,
-                                             parsed.body)
+            async with turn.away():
+                ids = await loop.run_in_executor(executor, tokenizer.chat_ids, text, special,
+                                                 parsed.body)
         else:
             ids = tokenizer.chat_ids(text, special, parsed.body)
         if segments is not None and missing:
@@ -250,7 +258,8 @@ async def tokens_off_the_loop_when_long(tokenizer: Tokenizer | None, parsed: Par
     texts = [prompt] if isinstance(prompt, str) else \
         [p for p in prompt if isinstance(p, str)] if isinstance(prompt, list) else []
     if sum(map(len, texts)) > ENCODE_OFFLOAD_CHARS:
-        return await loop.run_in_executor(executor, prompt_tokens, tokenizer, parsed)
+        async with turn.away():
+            return await loop.run_in_executor(executor, prompt_tokens, tokenizer, parsed)
     return prompt_tokens(tokenizer, parsed)
 
 
@@ -293,6 +302,11 @@ def _collect(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
+# How long a request keeps its turn (router/arrival_order.py) waiting for the index:
+# a healthy Redis answers a lookup in 0.05-0.5 ms of round trip (docs/SCALING.md). A
+# lookup still out after this is slow, and the next request computes meanwhile.
+LOOKUP_HOLD_S = 0.002
+
 # How many loop iterations a lookup past its deadline gets to deliver a reply that has
 # already arrived (a redis-py reply wakes its waiter through a chain of callbacks).
 _LATE_REPLY_YIELDS = 4
@@ -301,11 +315,12 @@ _LATE_REPLY_YIELDS = 4
 async def lookup_matches(index: PrefixIndex, model: str,
                          keys: Mapping[HashConfig, tuple[int, ...]],
                          members: Mapping[HashConfig, set[str]],
-                         deadline_s: float) -> LookupResult:
+                         deadline_s: float, turn: TurnLike = NO_TURN) -> LookupResult:
     """Ask the index once per hash group (usually one), all under one deadline.
 
     Past the deadline or with the index down the request routes on load alone: a slow
-    index must never hold a request (it would cost more than the cache saves).
+    index must never hold a request (it would cost more than the cache saves). `turn`
+    (router/arrival_order.py) is kept for LOOKUP_HOLD_S, then let go of.
     """
     started = time.perf_counter()
     groups = [(config, chain) for config, chain in keys.items() if chain]
@@ -320,7 +335,7 @@ async def lookup_matches(index: PrefixIndex, model: str,
     for task in lookups:
         task.add_done_callback(_collect)
     try:
-        await asyncio.wait(lookups, timeout=deadline_s)
+        await turn.wait(lookups, deadline_s, LOOKUP_HOLD_S)
         # On a busy loop the timer and the index's reply can become ready in the same
         # iteration, and the timer runs first: a lookup that already answered would be
         # thrown away. A few yields let an answer that is already here finish; one still
@@ -348,13 +363,13 @@ async def lookup_matches(index: PrefixIndex, model: str,
 
 
 async def _peer_work(read: asyncio.Future[dict[str, PeerWork]] | None,
-                     left_s: float) -> Mapping[str, PeerWork]:
+                     left_s: float, turn: TurnLike = NO_TURN) -> Mapping[str, PeerWork]:
     """The shared read's answer if it arrives within what is left of the lookup's
     deadline; else none (this gateway's own view, as without sharing)."""
     if read is None:
         return {}
     if not read.done():
-        await asyncio.wait([read], timeout=max(left_s, 0.0))
+        await turn.wait([read], max(left_s, 0.0), LOOKUP_HOLD_S)
     if not read.done():
         read.cancel()
         return {}
@@ -456,7 +471,8 @@ class RoutingPipeline:
     async def route(self, parsed: ParsedRequest, replicas: Sequence[Replica], now: float,
                     tenant: str | None, cache_salt: str | None,
                     session_key: str | None = None, offload: bool = True,
-                    tokenizer: Tokenizer | None = None, reserve: bool = False) -> Route:
+                    tokenizer: Tokenizer | None = None, reserve: bool = False,
+                    turn: TurnLike = NO_TURN) -> Route:
         """Decide where `parsed` goes among `replicas` (all those serving its model).
 
         `reserve` enters the request in the chosen replica's outstanding work at once
@@ -464,7 +480,8 @@ class RoutingPipeline:
 
         `offload` lets the tokenizer's encoding of long unseen text run in the executor
         (tokens_off_the_loop_when_long); the rest of the preparation stays on the loop.
-        `tokenizer` overrides the model's local one (remote tokenization).
+        `tokenizer` overrides the model's local one (remote tokenization). `turn`: the
+        request's place in the arrival order, let go of around the lookup.
         """
         if not replicas:
             raise NoReplicasError(f"no replica serves {parsed.model!r}")
@@ -479,7 +496,7 @@ class RoutingPipeline:
             # shared work shows): alone, a fetch could only find what it encoded itself.
             alone = self.shared is not None and self.shared.alone
             tokens = await tokens_off_the_loop_when_long(
-                tokenizer, parsed, self.executor, None if alone else self.segments)
+                tokenizer, parsed, self.executor, None if alone else self.segments, turn)
             prompt = key_prompt(tokens, self.chains, list(members), cache_salt, prepared)
         else:
             prompt = prepare_prompt(tokenizer, self.chains, parsed, list(members), cache_salt)
@@ -492,8 +509,8 @@ class RoutingPipeline:
         if peers_read is not None:
             peers_read.add_done_callback(_collect)
         lookup = await lookup_matches(self.index, parsed.model, readable, members,
-                                      self.index_deadline_s)
-        peers = await _peer_work(peers_read, self.index_deadline_s - lookup.seconds)
+                                      self.index_deadline_s, turn)
+        peers = await _peer_work(peers_read, self.index_deadline_s - lookup.seconds, turn)
         # Tokenizing and the lookup took time (a burst is prepared one request after
         # another): the outstanding work is read as of now, not as of the request's arrival.
         now = self.clock()

@@ -166,6 +166,9 @@ class ProxyConfig:
     backoff_base_s: float = 0.01  # full-jitter backoff between attempts, doubling
     backoff_max_s: float = 0.2
     hold_until_content: bool = True
+    # A burst's routing work (parse, tokenize, hash, decide) in arrival order, not
+    # interleaved: the first requests go upstream first (router/arrival_order.py).
+    route_in_arrival_order: bool = True
     max_body_bytes: int = 16 * 1024 * 1024
     expose_routing_headers: bool = False
     tokenize_mode: str = "local"

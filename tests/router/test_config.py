@@ -48,6 +48,7 @@ def test_defaults_with_one_replica() -> None:
     assert config.index.backend == "memory" and config.index.deadline_ms == 10.0
     assert config.tenants.allow_anonymous is False
     assert config.proxy.hold_until_content is True
+    assert config.proxy.route_in_arrival_order is True
     assert config.proxy.expose_routing_headers is False
     (replica,) = config.replicas
     assert replica.name == "127.0.0.1:9001"
@@ -147,6 +148,10 @@ def test_example_file_exercises_every_section(tmp_path: Path) -> None:
         (
             ["replicas[0].url=http://a:1", "proxy.hold_until_content=maybe"],
             "proxy.hold_until_content: must be true or false, got 'maybe'",
+        ),
+        (
+            ["replicas[0].url=http://a:1", "proxy.route_in_arrival_order=sometimes"],
+            "proxy.route_in_arrival_order: must be true or false, got 'sometimes'",
         ),
         (
             ["replicas[0].url=http://a:1", "limits.max_n=-1"],
