@@ -25,6 +25,10 @@ from router.index.protocol import (
 class MemoryIndex:
     """The in-process PrefixIndex: dicts, for a single gateway."""
 
+    # Its lookups never wait on I/O: callers await them directly, without the task and
+    # deadline a round trip to Redis needs (router/routing.py lookup_matches).
+    in_process = True
+
     def __init__(
         self,
         *,
