@@ -11,11 +11,11 @@ go upstream together, and the burst's median first token is as late as its last
 
 `ArrivalOrder` is a lock whose waiters are served by ticket, lowest first. A request
 takes a ticket when its body is in, holds the lock while it computes, and lets go of it
-around each I/O wait (`Turn.away`, `Turn.wait`), coming back with its old ticket:
+around each I/O wait (`Turn.away`), coming back with its old ticket:
 ahead of every request that arrived after it. The first of a burst then goes upstream
 after its own work and a few other requests' steps, the second after that, and so on;
 the last leaves when it did before. I/O still overlaps (lookups of many requests are
-in flight at once): only CPU work is ordered. `Turn.wait` says what stricter orders
+in flight at once): only CPU work is ordered. `Turn.away` says what stricter orders
 cost.
 """
 
@@ -25,8 +25,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-from collections.abc import AsyncIterator, Collection
-from typing import Any
+from collections.abc import AsyncIterator
 
 
 class ArrivalOrder:
@@ -118,7 +117,15 @@ class Turn:
     @contextlib.asynccontextmanager
     async def away(self) -> AsyncIterator[None]:
         """Let the next request compute while this one waits for I/O; back after it,
-        ahead of every later arrival."""
+        ahead of every later arrival.
+
+        Two stricter ways around an index lookup were measured and dropped. Keeping the
+        turn across the round trip idles the loop for it: routed req/s on a Redis index
+        0.63x of arrival order off. Leaving the turn free from the moment the reply is
+        in until its request has come back for it (a reply takes a few loop iterations
+        to reach its request, and each can hand the turn to a later request for a whole
+        step) cost 0.75x. Let go of for the whole wait, as here: 0.91x, and a burst
+        still goes upstream about in order."""
         if not self._holding:
             yield
             return
@@ -129,19 +136,6 @@ class Turn:
             if not self._ended:
                 await self._order._acquire(self.ticket)
                 self._holding = True
-
-
-    async def wait(self, futures: Collection[asyncio.Future[Any]], timeout_s: float) -> None:
-        """asyncio.wait(futures, timeout_s) away from the turn (an index lookup).
-
-        Two ways to be stricter were measured and dropped. Keeping the turn across the
-        round trip idles the loop for it: routed req/s on a Redis index 0.63x. Leaving
-        the turn free from the moment the reply is in until its request has come back
-        for it (a reply takes a few loop iterations to reach its request, and each can
-        hand the turn to a later request for a whole step) cost 0.75x. Handed on at
-        once, as here: 0.9x, and a burst still goes upstream about in order."""
-        async with self.away():
-            await asyncio.wait(futures, timeout=timeout_s)
 
 
 class NoTurn:
@@ -161,10 +155,6 @@ class NoTurn:
     @contextlib.asynccontextmanager
     async def away(self) -> AsyncIterator[None]:
         yield
-
-    async def wait(self, futures: Collection[asyncio.Future[Any]], timeout_s: float) -> None:
-        if futures:
-            await asyncio.wait(futures, timeout=timeout_s)
 
 
 NO_TURN = NoTurn()

@@ -335,7 +335,8 @@ async def lookup_matches(index: PrefixIndex, model: str,
     for task in lookups:
         task.add_done_callback(_collect)
     try:
-        await turn.wait(lookups, deadline_s)
+        async with turn.away():
+            await asyncio.wait(lookups, timeout=deadline_s)
         # On a busy loop the timer and the index's reply can become ready in the same
         # iteration, and the timer runs first: a lookup that already answered would be
         # thrown away. A few yields let an answer that is already here finish; one still
@@ -375,7 +376,8 @@ async def _peer_work(read: asyncio.Future[dict[str, PeerWork]] | None,
     if read is None:
         return {}
     if not read.done():
-        await turn.wait([read], max(left_s, 0.0))
+        async with turn.away():
+            await asyncio.wait([read], timeout=max(left_s, 0.0))
     if not read.done():
         read.cancel()
         return {}
