@@ -254,6 +254,27 @@ async def test_streaming_passes_chunks_and_client_disconnect_cancels_upstream(
         assert gw.app_gateway.fleet.all()[0].inflight == 0
 
 
+@pytest.mark.parametrize("on_redis", [False, True])
+async def test_a_burst_in_arrival_order_is_served_whole_through_a_queue(
+        start_gateway: Any, redis_server: Any, on_redis: bool) -> None:
+    # proxy.route_in_arrival_order: each request lets go of its turn around the lookup
+    # and the admission queue; a turn lost or never handed on would hang the burst.
+    async with AsyncSimFleet(2, block_size=16, num_blocks=4000) as fleet:
+        raw = gateway_config(fleet.replicas, model=MODEL, port=free_port(),
+                             index=redis_server.url if on_redis else "memory",
+                             proxy={"route_in_arrival_order": True},
+                             limits={"global_concurrency": 2, "queue_size": 32})
+        gw = await start_gateway(raw)
+        assert gw.app_gateway is not None and gw.app_gateway.arrival is not None
+        shared = tokens(11, 160)
+        bodies = [completion([*shared, *tokens(100 + i, 20 + i)])
+                  for i in range(12)]
+        replies = await asyncio.wait_for(
+            asyncio.gather(*(gw.post("/v1/completions", b) for b in bodies)), timeout=60)
+        assert [r.status for r in replies] == [200] * 12
+        assert not gw.app_gateway.arrival.held and gw.app_gateway.arrival.waiting == 0
+
+
 async def test_overload_answers_429_with_retry_after(
         start_gateway: Any, http: aiohttp.ClientSession, tiny_model_dir: Path) -> None:
     async with AsyncSimFleet(1, block_size=16, prefill_profile="unit", time_scale=0.5,
