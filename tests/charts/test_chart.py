@@ -445,6 +445,9 @@ def test_router_config_loads_the_rendered_gateway_and_indexer_configs(tmp_path: 
     [key] = config.tenants.keys
     assert key.key == known[(f"{RELEASE}-cacheroute-tenants", "api-key-default")] and key.salted
     assert config.models["llama-3.1-8b-instruct"].tokenizer == str(tmp_path / "llama-3.1-8b-instruct")
+    # Several gateway pods share work and prompt pieces through the index by default.
+    assert config.policy.share_work and config.index.share_segments
+    assert config.index.segment_ttl_s == 600
 
     # The indexer gets the seed and the Redis password, and no API key or salt secret.
     indexer_env = resolve_env(container(objs, "indexer"), known)
@@ -467,6 +470,8 @@ def test_router_config_loads_the_all_values_config(tmp_path: Path) -> None:
     assert config.index.backend == "rediss://index.redis.corp.internal:6380/2"
     assert config.index.password == "managed-redis-password"
     assert config.index.record_ttl_s == 600  # gateway.config deep-merged
+    assert not config.policy.share_work and not config.index.share_segments
+    assert config.index.segment_ttl_s == 120
     assert config.proxy.first_token_timeout_s == 120 and config.proxy.expose_routing_headers
     assert config.policy.name == "least_loaded" and config.policy.tolerance == 0.2  # extraEnv
     assert config.listen.port == 9000
@@ -600,6 +605,8 @@ def test_network_policies_can_be_turned_off() -> None:
     ({"gateway": {"policy": {"name": "fastest"}}}, "/gateway/policy/name"),
     ({"gateway": {"pdb": {"minAvailable": "half"}}}, "/gateway/pdb/minAvailable"),
     ({"gateway": {"replicaCont": 3}}, "/gateway"),
+    ({"gateway": {"policy": {"name": "cache_aware", "shareWork": "yes"}}}, "/gateway/policy/shareWork"),
+    ({"gateway": {"index": {"segmentTtlSeconds": 0}}}, "/gateway/index/segmentTtlSeconds"),
     ({"gatway": {}}, "additional properties 'gatway'"),
     ({"vllm": {"gpuMemoryUtilization": 1.5}}, "/vllm/gpuMemoryUtilization"),
     ({"vllm": {"kvEvents": {"port": 70000}}}, "/vllm/kvEvents/port"),

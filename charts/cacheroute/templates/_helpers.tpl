@@ -257,7 +257,7 @@ that the pods fill from Secrets.
 {{- if gt (int $vllm.maxModelLen) 0 }}
 {{- $_ := set $model "max_model_len" (int $vllm.maxModelLen) }}
 {{- end }}
-{{- $index := dict "backend" (include "cacheroute.redis.url" .) "deadline_ms" .Values.gateway.index.deadlineMs }}
+{{- $index := dict "backend" (include "cacheroute.redis.url" .) "deadline_ms" .Values.gateway.index.deadlineMs "share_segments" .Values.gateway.index.shareSegments "segment_ttl_s" .Values.gateway.index.segmentTtlSeconds }}
 {{- if include "cacheroute.redis.passwordSecretName" . }}
 {{- $_ := set $index "password_env" "CACHEROUTE_REDIS_PASSWORD" }}
 {{- end }}
@@ -274,7 +274,7 @@ that the pods fill from Secrets.
   "models" (dict .Values.model.name $model)
   "replicas" $replicas
   "index" $index
-  "policy" (dict "name" .Values.gateway.policy.name "weights" .Values.gateway.policy.weights)
+  "policy" (dict "name" .Values.gateway.policy.name "weights" .Values.gateway.policy.weights "share_work" .Values.gateway.policy.shareWork)
   "tenants" (dict "secret_env" "CACHEROUTE_SALT_SECRET" "allow_anonymous" .Values.tenants.allowAnonymous "keys" $keys)
 }}
 {{- $merged := mergeOverwrite $config (deepCopy .Values.gateway.config) }}
