@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from router.suspects import Fingerprint, request_fingerprint
 
@@ -158,14 +159,17 @@ class StreamState:
     token_ids: list[int] = field(default_factory=list)
     saw_token_ids: bool = False
 
-    def take_usage(self, usage: Mapping[str, Any] | None) -> None:
-        if not usage:
+    def take_usage(self, usage: Any) -> None:
+        # What a replica sends is checked, not trusted: a malformed usage block is
+        # relayed as it came and recorded as no usage, never an exception mid-stream.
+        if not usage or not isinstance(usage, Mapping):
             return
-        self.outcome.prompt_tokens = usage.get("prompt_tokens")
-        details = usage.get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens")
-        if cached is not None:
-            self.outcome.cached_tokens = int(cached)
+        prompt = usage.get("prompt_tokens")
+        self.outcome.prompt_tokens = prompt if type(prompt) is int else None
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+        if type(cached) is int:
+            self.outcome.cached_tokens = cached
 
     def absorb(self, data: dict[str, Any]) -> bool:
         """Take usage and generated token ids from a response body or chunk; strip the
@@ -174,8 +178,9 @@ class StreamState:
         changed = False
         for choice in data.get("choices") or ():
             ids = choice.get("token_ids")
-            if ids is not None and self.up.collect_token_ids and choice.get("index", 0) == 0:
-                self.token_ids.extend(int(t) for t in ids)
+            if ids is not None and self.up.collect_token_ids and choice.get("index", 0) == 0 \
+                    and isinstance(ids, list) and all(type(t) is int for t in ids):
+                self.token_ids.extend(ids)
                 self.saw_token_ids = True
             if self.up.strip_token_ids and "token_ids" in choice:
                 del choice["token_ids"]
@@ -203,7 +208,14 @@ class StreamState:
 
     def process(self, event: bytes) -> tuple[bytes | None, bool]:
         """(bytes to send or None to drop, whether it carries content). Unchanged unless
-        it is the usage chunk the client did not ask for or carries token ids we asked for."""
+        it is the usage chunk the client did not ask for or carries token ids we asked for.
+
+        Every event before a stream's first content comes through here, on the way to
+        the first token. A client that asked for return_token_ids gets the prompt's ids
+        in the first chunk (8k ids: 0.42 ms to parse with the json module), so the chunk
+        is first read as a typed view that skips what the gateway does not use (0.05 ms);
+        only a chunk the gateway must change, or one the view does not fit, is parsed
+        whole."""
         data = event_data(event)
         if not data or data == b"[DONE]" or not data.startswith(b"{"):
             return event, False
@@ -211,8 +223,43 @@ class StreamState:
         if not needs_parse:
             return event, False
         try:
-            chunk = json.loads(data)
-        except ValueError:
+            view = _CHUNK_VIEW.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return self._process_whole(event, data)
+        if view.error:
+            return event, True
+        if self._must_rewrite(view):
+            return self._process_whole(event, data)
+        if view.usage and view.usage != b"null":
+            try:
+                self.take_usage(_USAGE.decode(view.usage))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return self._process_whole(event, data)
+        content = False
+        for choice in view.choices or ():
+            if self.up.collect_token_ids and choice.index == 0 and choice.token_ids and \
+                    bytes(choice.token_ids) != b"null":
+                try:
+                    self.token_ids.extend(_TOKEN_IDS.decode(choice.token_ids))
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    return self._process_whole(event, data)
+                self.saw_token_ids = True
+            content = content or _choice_has_content(choice)
+        return event, content
+
+    def _must_rewrite(self, view: _ChunkView) -> bool:
+        """Whether the chunk changes on its way to the client (see absorb and process)."""
+        if not self.up.client_wants_usage and _present(view.usage):
+            return True
+        if not self.up.strip_token_ids:
+            return False
+        return bool(view.prompt_token_ids) or any(
+            choice.token_ids or choice.prompt_token_ids for choice in view.choices or ())
+
+    def _process_whole(self, event: bytes, data: bytes) -> tuple[bytes | None, bool]:
+        try:
+            chunk = _ANY_JSON.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
             return event, False
         if not isinstance(chunk, dict):
             return event, False
@@ -226,5 +273,59 @@ class StreamState:
             chunk["usage"] = None
             changed = True
         if changed:
-            return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n", content
+            return b"data: " + _JSON_ENCODER.encode(chunk) + b"\n\n", content
         return event, content
+
+
+# A streamed chunk as far as the gateway reads it before relaying: msgspec skips every
+# other field without building it (the prompt's ids above all). Raw fields keep a
+# value's bytes unparsed; an empty Raw is a field the chunk did not have.
+class _DeltaView(msgspec.Struct):
+    content: str | None = None
+    tool_calls: msgspec.Raw = msgspec.Raw()
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+
+class _ChoiceView(msgspec.Struct):
+    index: int = 0
+    delta: _DeltaView | None = None
+    text: str | None = None
+    finish_reason: msgspec.Raw = msgspec.Raw()
+    token_ids: msgspec.Raw = msgspec.Raw()
+    prompt_token_ids: msgspec.Raw = msgspec.Raw()
+
+
+class _ChunkView(msgspec.Struct):
+    choices: list[_ChoiceView] | None = None
+    usage: msgspec.Raw = msgspec.Raw()
+    error: msgspec.Raw = msgspec.Raw()
+    prompt_token_ids: msgspec.Raw = msgspec.Raw()
+
+
+_CHUNK_VIEW = msgspec.json.Decoder(_ChunkView)
+_USAGE = msgspec.json.Decoder(dict[str, Any] | None)
+_TOKEN_IDS = msgspec.json.Decoder(list[int])
+_ANY_JSON = msgspec.json.Decoder()
+_JSON_ENCODER = msgspec.json.Encoder()
+
+
+def _present(raw: msgspec.Raw) -> bool:
+    """A Raw field the chunk had with a JSON-truthy value (what `.get(k)` tests)."""
+    return bool(raw) and bytes(raw).strip() not in _FALSY_JSON
+
+
+_FALSY_JSON = frozenset({b"null", b"[]", b"{}", b'""', b"false", b"0"})
+
+
+def _choice_has_content(choice: _ChoiceView) -> bool:
+    """has_content for one choice of the typed view."""
+    delta = choice.delta
+    if delta is not None:
+        if delta.content or _present(delta.tool_calls) or delta.reasoning or \
+                delta.reasoning_content:
+            return True
+    elif choice.text:
+        return True
+    return (bool(choice.finish_reason) and bytes(choice.finish_reason) != b"null") or \
+        _present(choice.token_ids)
