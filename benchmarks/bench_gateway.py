@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_gateway.py [--rounds 5] [--per-round 12]
         [--model-dir DIR] [--cold-sizes 8192] [--seconds 5] [--workers 2]
-        [--gateway-set SECTION.KEY=VALUE] [--baseline-repo DIR]
+        [--gateway-set SECTION.KEY=VALUE] [--baseline-repo DIR] [--return-token-ids]
 
 Three requests, as issue #13 sets their targets: an 8k-token token-id prompt, cold (a
 fresh first block, so every block is new); a conversation growing 256 tokens a turn at
@@ -341,7 +341,8 @@ async def one_request(session: aiohttp.ClientSession, url: str, path: str, raw: 
 
 
 async def added_latency(targets: list[tuple[str, str]], scenarios: list[Scenario], rounds: int,
-                        per_round: int) -> dict[str, dict[str, list[float]]]:
+                        per_round: int, extra: dict[str, Any] | None = None,
+                        ) -> dict[str, dict[str, list[float]]]:
     """scenario -> target -> per-round p50 (seconds); targets[0] is the direct baseline."""
     out: dict[str, dict[str, list[float]]] = {s.name: {t: [] for t, _ in targets} for s in scenarios}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
@@ -358,7 +359,7 @@ async def added_latency(targets: list[tuple[str, str]], scenarios: list[Scenario
                     # `direct` ~3 ms on the cold prompt, whichever code it ran.
                     shift = i % len(targets)
                     for name, url in targets[shift:] + targets[:shift]:
-                        raw = json.dumps(next(convs[name])).encode()
+                        raw = json.dumps({**next(convs[name]), **(extra or {})}).encode()
                         seconds = await one_request(session, url, scenario.path, raw)
                         if i:
                             seen[name].append(seconds)
@@ -420,7 +421,7 @@ async def throughput(url: str, seconds: float, concurrency: int) -> float:
 
 
 async def streamed_burst(url: str, requests: int, concurrency: int, size: int,
-                         seed: int) -> int:
+                         seed: int, extra: dict[str, Any] | None = None) -> int:
     """About `requests` streamed conversation turns (token ids, `size` tokens growing 256
     a turn, 16 tokens out, usage asked for), `concurrency` conversations at a time; how
     many it sent."""
@@ -430,7 +431,7 @@ async def streamed_burst(url: str, requests: int, concurrency: int, size: int,
         history = _ids(rng, size)
         for _ in range(per_client):
             body = {"model": MODEL, "prompt": list(history), "max_tokens": 16,
-                    "stream": True, "stream_options": {"include_usage": True}}
+                    "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
             async with session.post(url + "/v1/completions", json=body) as resp:
                 async for _chunk in resp.content.iter_any():
                     pass
@@ -445,7 +446,7 @@ async def streamed_burst(url: str, requests: int, concurrency: int, size: int,
 
 
 def cpu_per_request(routers: list[Router], rounds: int, requests: int, concurrency: int,
-                    size: int) -> dict[str, list[float]]:
+                    size: int, extra: dict[str, Any] | None = None) -> dict[str, list[float]]:
     """Router -> CPU seconds per request of its processes, one figure per round; the
     routers take turns within each round."""
     out: dict[str, list[float]] = {r.name: [] for r in routers if r.proc is not None}
@@ -454,9 +455,9 @@ def cpu_per_request(routers: list[Router], rounds: int, requests: int, concurren
             if r.proc is None:
                 continue
             pids = [r.proc.pid, *children(r.proc.pid), *(h.pid for h in r.helpers)]
-            asyncio.run(streamed_burst(r.url, concurrency, concurrency, size, -1 - round_))
+            asyncio.run(streamed_burst(r.url, concurrency, concurrency, size, -1 - round_, extra))
             before = sum(cpu_seconds(pid) for pid in pids)
-            sent = asyncio.run(streamed_burst(r.url, requests, concurrency, size, round_))
+            sent = asyncio.run(streamed_burst(r.url, requests, concurrency, size, round_, extra))
             out[r.name].append((sum(cpu_seconds(pid) for pid in pids) - before) / sent)
     return out
 
@@ -496,6 +497,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run a gateway (memory index) from this checkout, e.g. a "
                         "git worktree of main, interleaved with the others: a before/after "
                         "comparison in one run")
+    parser.add_argument("--return-token-ids", action="store_true",
+                        help="every request asks for return_token_ids, as the load generator "
+                        "(loadgen/driver.py) and token-in/token-out clients do: answers carry "
+                        "the prompt's ids, which the gateway reads on the way to the first "
+                        "token")
     parser.add_argument("--gateway-repo", type=Path, default=REPO,
                         help="run the gateway from this checkout (a before/after comparison)")
     args = parser.parse_args(argv)
@@ -541,7 +547,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{args.replicas} sim replicas (instant profile); routers: "
                   f"{', '.join(r.name for r in routers)}; {args.rounds} rounds x "
                   f"{args.per_round} requests per target and request kind")
-            results = asyncio.run(added_latency(targets, scenarios, args.rounds, args.per_round))
+            extra = {"return_token_ids": True} if args.return_token_ids else None
+            results = asyncio.run(added_latency(targets, scenarios, args.rounds, args.per_round,
+                                                extra))
             print_added(results, direct[0], profiles)
             if args.seconds > 0:
                 print(f"\n3) routed requests/s ({args.concurrency} concurrent clients, 256-token "
@@ -550,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
                     rps = asyncio.run(throughput(url, args.seconds, args.concurrency))
                     print(f"   {name:<24} {rps:8.0f} req/s")
             if args.cpu_requests > 0:
-                cpu = cpu_per_request(routers, args.rounds, args.cpu_requests, 8, 4096)
+                cpu = cpu_per_request(routers, args.rounds, args.cpu_requests, 8, 4096, extra)
                 print(f"\n4) CPU per routed request (ms; user + system time of the router's "
                       f"processes, its indexer included, over "
                       f"{max(1, args.cpu_requests // 8) * 8} streamed "

@@ -181,8 +181,29 @@ class BatchPlanner:
     def plan(self, batch: EventBatch) -> BatchPlan:
         """The index calls a batch's events amount to, updating the held-block map."""
         plan = BatchPlan()
-        for event in batch.events:
-            if isinstance(event, AllBlocksCleared):
+        events = batch.events
+        i, n = 0, len(events)
+        while i < n:
+            event = events[i]
+            i += 1
+            if type(event) is BlockRemoved and self._plain_removals() and \
+                    event.medium in self._media:
+                # vLLM sends one BlockRemoved per evicted block: a full cache's batch is
+                # hundreds in a row. The common case (base-model blocks under the
+                # replica's own keys) takes the whole run in one pass.
+                keys = [h if type(h) is int else block_key_int(h) for h in event.block_hashes]
+                while i < n and type(nxt := events[i]) is BlockRemoved and \
+                        nxt.medium in self._media:
+                    hashes = nxt.block_hashes
+                    if len(hashes) == 1 and type(hashes[0]) is int:
+                        keys.append(hashes[0])
+                    else:
+                        keys.extend(h if type(h) is int else block_key_int(h) for h in hashes)
+                    plan.applied += 1
+                    i += 1
+                plan.push("remove", self.model, keys)
+                plan.applied += 1
+            elif isinstance(event, AllBlocksCleared):
                 self._held.clear()
                 self._probe_blocks.clear()
                 plan.append(IndexOp("clear"))
@@ -287,8 +308,13 @@ class BatchPlanner:
                         if event.block_size == self._rekey.block_size else
                         "its blocks cannot be re-keyed (another block size) and are skipped")
 
+    def _plain_removals(self) -> bool:
+        """Whether removals need no per-block lookup: no probe in flight, no block held
+        under another scope or key."""
+        return not self._probe_blocks and not self._held and not self.rekeying
+
     def _plan_removed(self, event: BlockRemoved, plan: BatchPlan) -> None:
-        if not self._probe_blocks and not self._held and not self.rekeying:
+        if self._plain_removals():
             # The common case (base-model blocks indexed under the replica's keys, no
             # probe in flight): nothing to look up per block.
             plan.push("remove", self.model, [h if type(h) is int else block_key_int(h)

@@ -108,6 +108,23 @@ async def test_events_on_another_medium_are_ignored(index: PrefixIndex) -> None:
     assert await index.lookup(MODEL, [1]) == {}
 
 
+async def test_a_run_of_removals_is_one_write_broken_only_where_the_order_needs(
+    index: PrefixIndex,
+) -> None:
+    replica = Replica(index)
+    await replica.publish(stored(range(1, 9)))
+    as_digest = (8).to_bytes(32, "big")  # a raw digest: its last 8 bytes are the key
+    plan = await replica.publish(
+        removed([8]), BlockRemoved(block_hashes=[as_digest], medium="GPU"),
+        BlockRemoved(block_hashes=[7], medium="CPU"),  # another medium: skipped, not a break
+        removed([7, 6]), removed([5]), stored([20]), removed([4]))
+    assert plan.ops == [IndexOp("remove", MODEL, (8, 8, 7, 6, 5)), IndexOp("add", MODEL, (20,)),
+                        IndexOp("remove", MODEL, (4,))]
+    assert (plan.applied, replica.stats.events_ignored) == (6, 1)
+    assert await index.lookup(MODEL, list(range(1, 9))) == {"r1": 3}
+    assert await index.lookup(MODEL, [20]) == {"r1": 1}
+
+
 async def test_clear_on_one_replica_leaves_the_others(index: PrefixIndex) -> None:
     r1, r2 = Replica(index, "r1"), Replica(index, "r2")
     await r1.publish(stored([1, 2]))
