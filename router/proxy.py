@@ -41,7 +41,6 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
-import msgspec
 from aiohttp import web
 
 from router.config import ProxyConfig
@@ -59,8 +58,6 @@ DONE = b"data: [DONE]\n\n"
 _CONNECT_TIMEOUT: type[Exception] = getattr(aiohttp, "ConnectionTimeoutError",
                                             aiohttp.ServerTimeoutError)
 _MAX_ERROR_BODY = 64 * 1024
-_ANY_JSON = msgspec.json.Decoder()
-_JSON_ENCODER = msgspec.json.Encoder()
 
 
 def json_error(status: int, message: str, err_type: str, *, param: str | None = None,
@@ -331,14 +328,7 @@ class Forwarder:
                         state: StreamState, headers: dict[str, str]) -> web.Response:
         body = payload
         if resp.status < 400:
-            # msgspec: a completion with return_token_ids carries the prompt's ids, which
-            # the json module parses 2.4x slower.
-            try:
-                data = _ANY_JSON.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                data = None
-            if isinstance(data, dict) and state.absorb(data):
-                body = _JSON_ENCODER.encode(data)
+            body = state.absorb_body(payload)
         return web.Response(status=resp.status, body=body, headers={
             "Content-Type": resp.headers.get("Content-Type", "application/json"), **headers})
 

@@ -194,6 +194,32 @@ class StreamState:
             changed = True
         return changed
 
+    def absorb_body(self, payload: bytes) -> bytes:
+        """absorb() for a whole (non-streamed) answer's bytes: what to send the client.
+
+        As with streamed chunks (process), the answer is read through the typed view,
+        which skips the prompt's ids a return_token_ids answer carries; only an answer
+        the gateway must change, or that the view does not fit, is parsed whole."""
+        try:
+            view = _CHUNK_VIEW.decode(payload)
+            if not (self.up.strip_token_ids and _carries_ids(view)):
+                self.take_usage(_USAGE.decode(view.usage) if view.usage else None)
+                for choice in view.choices or ():
+                    if self.up.collect_token_ids and choice.index == 0 and choice.token_ids \
+                            and bytes(choice.token_ids) != b"null":
+                        self.token_ids.extend(_TOKEN_IDS.decode(choice.token_ids))
+                        self.saw_token_ids = True
+                return payload
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+        try:
+            data = _ANY_JSON.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return payload
+        if isinstance(data, dict) and self.absorb(data):
+            return _JSON_ENCODER.encode(data)
+        return payload
+
     def process_run(self, events: bytes) -> bytes:
         """A run of complete events after the first byte (SSEReader.next_events): what
         to send on. Only a run that carries usage, or token ids the gateway wants or must
@@ -251,10 +277,7 @@ class StreamState:
         """Whether the chunk changes on its way to the client (see absorb and process)."""
         if not self.up.client_wants_usage and _present(view.usage):
             return True
-        if not self.up.strip_token_ids:
-            return False
-        return bool(view.prompt_token_ids) or any(
-            choice.token_ids or choice.prompt_token_ids for choice in view.choices or ())
+        return self.up.strip_token_ids and _carries_ids(view)
 
     def _process_whole(self, event: bytes, data: bytes) -> tuple[bytes | None, bool]:
         try:
@@ -308,6 +331,12 @@ _USAGE = msgspec.json.Decoder(dict[str, Any] | None)
 _TOKEN_IDS = msgspec.json.Decoder(list[int])
 _ANY_JSON = msgspec.json.Decoder()
 _JSON_ENCODER = msgspec.json.Encoder()
+
+
+def _carries_ids(view: _ChunkView) -> bool:
+    """Whether a chunk or answer has a token-id field (absorb strips them all)."""
+    return bool(view.prompt_token_ids) or any(
+        choice.token_ids or choice.prompt_token_ids for choice in view.choices or ())
 
 
 def _present(raw: msgspec.Raw) -> bool:

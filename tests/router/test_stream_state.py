@@ -122,3 +122,24 @@ def test_usage_the_client_asked_for_is_read_and_passed_on() -> None:
     event = _event(CHUNKS["usage only (the chunk include_usage adds)"])
     assert state.process(event) == (event, False)
     assert (state.outcome.prompt_tokens, state.outcome.cached_tokens) == (8192, 4096)
+
+
+@pytest.mark.parametrize(("wants_usage", "strip", "collect"), SETTINGS)
+@pytest.mark.parametrize("body", [pytest.param(json.dumps(c).encode(), id=n)
+                                  for n, c in CHUNKS.items()]
+                         + [pytest.param(b"{not json", id="not json"),
+                            pytest.param(b"[1, 2]", id="a list")])
+def test_a_whole_answer_is_read_as_absorb_reads_it(body: bytes, wants_usage: bool, strip: bool,
+                                                   collect: bool) -> None:
+    fast, whole = _state(wants_usage, strip, collect), _state(wants_usage, strip, collect)
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = None
+    changed = isinstance(data, dict) and whole.absorb(data)
+    out = fast.absorb_body(body)
+    if changed:
+        assert json.loads(out) == data  # the ids the gateway asked for, stripped
+    else:
+        assert out is body  # passed on as it came, not re-encoded
+    assert _observed(fast) == _observed(whole)
