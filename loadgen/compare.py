@@ -40,6 +40,7 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -59,7 +60,7 @@ from loadgen.gateway_under_test import (
     overrides_note,
     policy_variant,
 )
-from loadgen.harness import MODEL_NAME, HarnessError, parse_cpus
+from loadgen.harness import MODEL_NAME, REPO, HarnessError, parse_cpus
 from loadgen.oracle import OracleRequest, bounds
 from loadgen.peers import PEERS, SMG, VLLM_ROUTER, peer_routers, skip_reason, split_policy
 from loadgen.report import PolicyRun, ReportFiles, write_report
@@ -84,6 +85,8 @@ __all__ = ["DEFAULT_TRACE", "Comparison", "HarnessError", "add_arguments", "run"
            "run_comparison"]
 
 POLICIES = ("random", "round_robin", "least_loaded", "session_affinity", "cache_aware")
+# The prefix of a policy run with --baseline-repo's code.
+BASELINE = "baseline~"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -122,6 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "client on the rest: production's layout, where a gateway does "
                              "not share cores with the engines it routes to (default: "
                              "everything shares every CPU)")
+    parser.add_argument("--baseline-repo", type=Path, metavar="DIR",
+                        help="also run each of our policies from this checkout (a git "
+                             "worktree of an earlier commit), as baseline~NAME, interleaved "
+                             "with the rest: a before/after comparison in one run")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds: every policy runs once per round, interleaved; the "
                              "report gives medians and min-max over rounds")
@@ -175,6 +182,11 @@ def parse_policies(args: argparse.Namespace) -> list[str]:
         if peer is None and policy_variant(instances(p, 1)[0])[0] not in POLICIES:
             raise SystemExit(f"compare: unknown policy {p!r}; choose from {', '.join(POLICIES)}"
                              f" or PEER:NAME with PEER one of {', '.join(PEERS)}")
+    if getattr(args, "baseline_repo", None) is not None:
+        repo = args.baseline_repo
+        if not (repo / "router" / "__main__.py").is_file():
+            raise SystemExit(f"compare: --baseline-repo {repo}: not a cacheroute checkout")
+        policies += [f"{BASELINE}{p}" for p in policies if split_policy(p)[0] is None]
     for peer, flag in ((VLLM_ROUTER, args.vllm_router), (SMG, getattr(args, "smg", "none"))):
         if flag == "none":
             continue
@@ -313,6 +325,10 @@ def router(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfile,
            ) -> Iterator[tuple[list[str], str]]:
     """The routers a policy names (--gateways of them, or N of `NAME*N`), started; their
     URLs and a note."""
+    repo, baseline = REPO, policy.startswith(BASELINE)
+    if baseline:
+        policy, repo = policy.removeprefix(BASELINE), args.baseline_repo.resolve()
+        tag = f"-baseline{tag}"
     base, count = instances(policy, getattr(args, "gateways", 1))
     if base != policy:  # its files must not overwrite those of the same router x1
         tag = f"-x{count}{tag}"
@@ -325,11 +341,21 @@ def router(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfile,
                                       + ("joined by its mesh" if peer is SMG
                                          else "independent") if count > 1 else "")
     else:
-        with gateways(policy, fleet, index, profile, args, log_dir, tag, count) as urls:
+        with gateways(policy, fleet, index, profile, args, log_dir, tag, count, repo) as urls:
             note = overrides_note(args)
+            if baseline:
+                note = "; ".join(filter(None, [note, f"code of {checkout_line(repo)}"]))
             if count > 1:
                 note = "; ".join(filter(None, [note, f"{count} gateways sharing the index"]))
             yield urls, note
+
+
+def checkout_line(repo: Path) -> str:
+    """A checkout as the report names it: its commit, or its path if git cannot say."""
+    proc = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=False)
+    commit = proc.stdout.strip()
+    return f"commit {commit}" if proc.returncode == 0 and commit else str(repo)
 
 
 def routers_line(policies: Sequence[str], default: int) -> str:

@@ -236,9 +236,10 @@ def gateway(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfile
 
 @contextlib.contextmanager
 def gateways(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfile,
-             args: argparse.Namespace, log_dir: Path, tag: str = "", count: int = 1
-             ) -> Iterator[list[str]]:
+             args: argparse.Namespace, log_dir: Path, tag: str = "", count: int = 1,
+             repo: Path = REPO) -> Iterator[list[str]]:
     """`count` gateway processes for one policy, sharing one index; yields their URLs.
+    `repo`: the checkout whose code they (and the indexer) run.
 
     On a Redis index one indexer feeds it for all of them (issue #16: several gateways
     share one index); an in-memory index cannot be shared, so count > 1 needs Redis.
@@ -266,7 +267,7 @@ def gateways(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfil
             # from the replicas' KV events. Started first and synced before any request.
             indexer = LoggedProcess(f"indexer-{name}", [
                 sys.executable, "-m", "router", "indexer", "--config", str(path),
-                "--log-level", "INFO"], cpus=cpus)
+                "--log-level", "INFO"], cpus=cpus, cwd=repo)
             procs.append(indexer)
             indexer.start(log_dir)
             indexer.wait_until(lambda: "indexing " in indexer.log_tail(20_000))
@@ -274,7 +275,7 @@ def gateways(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfil
         for gw_name, gw_path, port in configs:
             proc = LoggedProcess(f"gateway-{gw_name}",
                                  [sys.executable, "-m", "router", "serve", "--config",
-                                  str(gw_path), "--shutdown-timeout", "2"], cpus=cpus)
+                                  str(gw_path), "--shutdown-timeout", "2"], cpus=cpus, cwd=repo)
             procs.append(proc)
             proc.start(log_dir)
             urls.append(f"http://127.0.0.1:{port}")

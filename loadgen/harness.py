@@ -71,12 +71,13 @@ class LoggedProcess:
     log_path: Path | None = None
     # The CPUs it may run on, its threads and children included (None: the harness's).
     cpus: frozenset[int] | None = None
+    cwd: Path = REPO  # the checkout it runs from (`python -m ...` finds the code there)
 
     def start(self, log_dir: Path) -> None:
         self.log_path = log_dir / f"{self.name}.log"
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=self.env, cwd=REPO,
+                                         stdin=subprocess.DEVNULL, env=self.env, cwd=self.cwd,
                                          preexec_fn=pin_to(self.cpus))
 
     def wait_until(self, ready: Callable[[], bool], timeout: float = START_TIMEOUT_S) -> None:

@@ -302,3 +302,26 @@ def test_compare_on_a_real_vllm_replica(tmp_path: Path, tiny_model_dir: Path) ->
 def test_repeats_below_one_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(HarnessError, match="--repeats must be at least 1, got 0"):
         run_comparison(_args("--out", str(tmp_path / "o"), "--repeats", "0"))
+
+
+def test_a_baseline_checkout_runs_beside_ours(tmp_path: Path, tiny_model_dir: Path) -> None:
+    # This checkout stands in for an earlier commit's worktree: what is tested is that
+    # each of our policies runs again from the named checkout, interleaved, and the
+    # report names its commit; peers are not doubled.
+    repo = Path(__file__).resolve().parents[2]
+    args = _args(
+        "--replicas", "2", "--policies", "cache_aware", "--vllm-router", "none",
+        "--baseline-repo", str(repo), "--index", "memory", "--workload", "chat",
+        "--requests", "4", "--conversations", "2", "--shared-prefix-tokens", "64",
+        "--question-tokens", "16", "--answer-tokens", "4", "--concurrency", "1",
+        "--kv-tokens", "4096", "--max-model-len", "1024", "--model-dir", str(tiny_model_dir),
+        "--out", str(tmp_path / "report"), "--deadline-s", "120", "--no-plots",
+        "--gateway-profile", "default")
+    assert parse_policies(args) == ["cache_aware", "baseline~cache_aware"]
+    comparison = run_comparison(args)
+    rows = {r.policy: r for r in comparison.runs}
+    assert list(rows) == ["cache_aware", "baseline~cache_aware"]
+    assert all(len(r.result.completed()) == 4 for r in rows.values())
+    assert rows["baseline~cache_aware"].note.startswith("code of commit ")
+    with pytest.raises(SystemExit, match=r"--baseline-repo .*: not a cacheroute checkout"):
+        parse_policies(_args("--out", "o", "--baseline-repo", str(tmp_path)))
