@@ -96,8 +96,11 @@ async def _route_and_forward(gw: Gateway, request: web.Request, raw: bytes, tena
         return await _admit_and_forward(gw, request, route, tenant, parsed, served, arrived,
                                         turn)
     finally:
-        # Whatever ended it (a refusal, an error, an answer), no reservation outlives it.
+        # Whatever ended it (a refusal, an error, an answer), no reservation outlives it,
+        # and no pending chain of a request that never went upstream.
         route.release(gw.fleet.now())
+        if not route.sent:
+            route.drop_pending(gw.pipeline.pending)
 
 
 async def _admit_and_forward(gw: Gateway, request: web.Request, route: Route, tenant: Tenant,
@@ -199,13 +202,13 @@ async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: 
 
     sent_at = time.time()  # the KV-event streams' clock
     turn.end()  # the next request computes while this one is upstream
+    route.sent = True
     response, outcome = await gw.forwarder.forward(request, up, candidates, response_headers)
     if outcome.first_byte_at is not None:
         gw.metrics.record_first_byte(outcome.first_byte_at - arrived)
-    pending = gw.pipeline.pending if gw.pipeline is not None else None
-    if pending is not None and route.pending_handle is not None and (
-            outcome.status != 200 or outcome.replica_id != route.decision.replica_id):
-        pending.drop(route.pending_handle)  # the chosen replica never cached it
+    if outcome.status != 200 or outcome.replica_id != route.decision.replica_id:
+        # The chosen replica never cached it.
+        route.drop_pending(gw.pipeline.pending if gw.pipeline is not None else None)
     replica = gw.fleet.get(outcome.replica_id) if outcome.replica_id else None
     if replica is not None and outcome.status == 200:
         expect_events(gw, replica, sent_at, outcome.prompt_tokens, outcome.cached_tokens)

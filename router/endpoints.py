@@ -258,6 +258,7 @@ async def handle_conversation(request: web.Request) -> web.StreamResponse:
     try:
         slot = await gw.admission.acquire([r.replica_id for r in route.candidates])
     except Overloaded as exc:
+        route.drop_pending(gw.pipeline.pending)  # refused: no replica will cache it
         gw.metrics.record_overloaded(tenant.tenant_id)
         return json_error(429, str(exc), "rate_limit_error",
                           headers={"Retry-After": exc.retry_after_header})
@@ -268,8 +269,16 @@ async def handle_conversation(request: web.Request) -> web.StreamResponse:
         if gw.config.proxy.expose_routing_headers:
             extra["x-cacheroute-predicted-cached-tokens"] = str(
                 route.predicted_for(replica.replica_id))
-        return await _relay(gw, request, replica, request.path, _with_salt(raw, body, salt),
-                            extra)
+        served_there = False
+        try:
+            response = await _relay(gw, request, replica, request.path,
+                                    _with_salt(raw, body, salt), extra)
+            served_there = response.status == 200 and \
+                replica.replica_id == route.decision.replica_id
+            return response
+        finally:
+            if not served_there:
+                route.drop_pending(gw.pipeline.pending)
 
 
 async def models_cards(gw: Gateway) -> list[dict[str, Any]]:

@@ -444,9 +444,20 @@ class Route:
     # replica id -> outstanding-work entry reserved at decision (`route(reserve=True)`):
     # the proxy's attempt there takes it over; `release` ends one never attempted.
     reserved: dict[str, int] = field(default_factory=dict)
+    # Set when the request goes upstream: a request refused after routing (context
+    # length, overload) never reaches its replica, so its pending chain must not stay.
+    sent: bool = False
 
     def predicted_for(self, replica_id: str) -> int:
         return self.predicted.get(replica_id, 0)
+
+    def drop_pending(self, pending: PendingChains | None) -> None:
+        """Forget the chain entered as pending on the chosen replica: the request was
+        refused, failed, or was served elsewhere, so that replica will not cache it (for
+        the pending TTL, followers of the prefix would be sent to a replica without it)."""
+        if pending is not None and self.pending_handle is not None:
+            pending.drop(self.pending_handle)
+            self.pending_handle = None
 
     def release(self, now: float) -> None:
         """End the reservations no attempt took over (refused, failed over, never sent)."""

@@ -146,6 +146,48 @@ async def test_predicted_cached_tokens_equal_reported_with_kv_events(start_gatew
         assert set(bounded) == {"chain_cache", "pending", "index", "suspects"}
 
 
+async def bounded_entries(gw: GatewayClient, structure: str) -> float:
+    """The gateway's cacheroute_bounded_entries for `structure`, from /metrics."""
+    _, text = await gw.get("/metrics")
+    prefix = f'cacheroute_bounded_entries{{structure="{structure}"}} '
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith(prefix))
+
+
+@pytest.mark.parametrize("refusal", ["over_context", "not_served"])
+async def test_a_request_not_served_leaves_no_pending_prefix(
+        start_gateway: Any, tiny_model_dir: Path, refusal: str) -> None:
+    """A routed prefix is pending on its replica until the KV events say it is held; a
+    request refused after routing (the gateway's context check: 400) or answered with an
+    error (the sim does not serve /v1/responses: 404) is cached nowhere, so its prefix
+    must not stay pending, or the next request with it is sent after a cache that is not
+    there."""
+    async with AsyncSimFleet(2, block_size=16, model_dir=tiny_model_dir,
+                             served_model_name=MODEL) as fleet:
+        gw = await start_gateway(gateway_config(fleet.replicas, model=MODEL, port=free_port(),
+                                                model_dir=tiny_model_dir))
+        prompt = tokens(21, 200)
+        if refusal == "over_context":
+            refused = await gw.post("/v1/completions", {**completion(prompt),
+                                                        "max_tokens": 100_000})
+            assert refused.status == 400, refused.body
+            assert "max_model_len" in refused.body["error"]["message"]
+        else:
+            text = "You are a careful assistant. " * 40
+            async with gw.session.post(gw.url + "/v1/responses",
+                                       json={"model": MODEL, "instructions": text,
+                                             "input": "why?"},
+                                       headers={"Authorization": "Bearer sk-alpha"}) as r:
+                assert r.status == 404, await r.text()  # the sim's own answer
+                # It was routed, by the prefix's blocks.
+                assert r.headers["x-cacheroute-replica"]
+        assert await bounded_entries(gw, "pending") == 0
+        if refusal == "over_context":
+            reply = await gw.post("/v1/completions", completion(prompt))
+            assert reply.status == 200, reply.body
+            assert (reply.predicted, reply.cached) == (0, 0)
+
+
 async def test_tenants_with_different_salts_never_share(start_gateway: Any) -> None:
     async with AsyncSimFleet(1, block_size=16) as fleet:
         gw = await start_gateway(gateway_config(fleet.replicas, model=MODEL, port=free_port()))
