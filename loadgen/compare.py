@@ -165,6 +165,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=None,
                         help="cache-neutral requests sent to each router before measuring "
                              "(default: 2 x max(concurrency, replicas); 0 for none)")
+    parser.add_argument("--warm-shared-prefixes", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="before measuring, let each of our gateways tokenize once what "
+                             "several conversations share before their first question "
+                             "(system prompt, tools; chat only), in a request its context "
+                             "check refuses: a long-running gateway has seen it, a fresh one "
+                             "pays its first encoding on the first burst")
     parser.add_argument("--policy-set", action="append", default=[], metavar="KEY=VALUE",
                         help="set a key of our gateways' policy config (docs/POLICY.md), e.g. "
                              "load_cost_s=0.25; repeatable; peers are unaffected")
@@ -241,6 +248,67 @@ def oracle_stream(records: Sequence[RequestRecord],
             prompt = chat_tokens({"model": MODEL_NAME, **r.chat_request})
         out.append(OracleRequest(prompt, r.output_token_ids, r.cache_salt))
     return out
+
+
+def shared_prefix_bodies(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Chat bodies carrying what two or more conversations share before their first
+    question (the system prompt and tools an agent's sessions all send), each once, with
+    the question replaced by a word and max_tokens over the context.
+
+    A gateway of ours tokenizes such a body, then refuses it with vLLM's context rule:
+    its tokenizer's segment cache holds the shared text afterwards and nothing else is
+    left behind (no replica sees it; warm_up checks that no pending prefix stays). What
+    one conversation alone sends is not included: a gateway meets it first on that
+    conversation's first turn, in production as here."""
+    if args.api != "chat":
+        return []
+    workload = build_workload(args)
+    users: dict[str, set[str]] = {}
+    bodies: dict[str, dict[str, Any]] = {}
+    for planned in workload.plan():
+        if planned.turn != 0:
+            continue
+        req = workload.render(planned)
+        if not req.messages or req.messages[-1].role != "user":
+            continue
+        messages = [{"role": m.role, "content": m.content} for m in req.messages[:-1]]
+        messages.append({"role": "user", "content": "hi"})
+        body: dict[str, Any] = {"model": MODEL_NAME, "messages": messages,
+                                "max_tokens": args.max_model_len + 1}
+        if req.tools:
+            body["tools"] = list(req.tools)
+        key = json.dumps(body, sort_keys=True)
+        users.setdefault(key, set()).add(planned.conversation_id)
+        bodies[key] = body
+    return [bodies[key] for key, who in users.items() if len(who) > 1]
+
+
+async def warm_shared_prefixes(url: str, bodies: Sequence[dict[str, Any]]) -> None:
+    """Send each of shared_prefix_bodies to one of our gateways: each must be refused by
+    its context check (400), and no prefix may stay pending (a gateway that kept the
+    refused request's prefix as pending on some replica would route the first turn after
+    it: a warm-up that is not neutral fails the run instead)."""
+    if not bodies:
+        return
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for body in bodies:
+            async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+                text = await resp.text()
+                if resp.status != 400:
+                    raise HarnessError(
+                        f"warm-up of a shared prefix at {url}: expected the gateway's "
+                        f"context check to refuse it (400), got {resp.status}: {text[:300]}")
+        async with session.get(f"{url}/metrics") as resp:
+            metrics = await resp.text()
+    prefix = 'cacheroute_bounded_entries{structure="pending"} '
+    pending = sum(float(line[len(prefix):]) for line in metrics.splitlines()
+                  if line.startswith(prefix))
+    if pending:
+        raise HarnessError(
+            f"warm-up of shared prefixes left {pending:.0f} pending blocks at {url}: this "
+            "gateway keeps the prefix of a refused request (a checkout before 6652aa2?); "
+            "run with --no-warm-shared-prefixes")
 
 
 async def warm_up(url: str, args: argparse.Namespace) -> None:
@@ -377,7 +445,7 @@ def round_order(policies: Sequence[str], round_index: int) -> list[str]:
 
 
 def _meta(args: argparse.Namespace, use_redis: bool, profile: GatewayProfile,
-          skipped: Sequence[str]) -> dict[str, Any]:
+          skipped: Sequence[str], shared_prefixes: int = 0) -> dict[str, Any]:
     workload = build_workload(args)
     meta: dict[str, Any] = {
         "command": "python -m loadgen " + " ".join(getattr(args, "argv", []) or []),
@@ -403,7 +471,11 @@ def _meta(args: argparse.Namespace, use_redis: bool, profile: GatewayProfile,
                    + f", speedup {args.speedup:g} (in simulated time)"),
         "seed": args.seed,
         "warm-up": "each router first served cache-neutral requests (under one block, "
-                   "1 output token): one-off start-up costs are not measured",
+                   "1 output token): one-off start-up costs are not measured"
+                   + (f"; each of our gateways then tokenized, once, the {shared_prefixes} "
+                      "prefix(es) that several conversations share before their first "
+                      "question (system prompt, tools), in requests its context check "
+                      "refused (--warm-shared-prefixes)" if shared_prefixes else ""),
     }
     if skipped:
         meta["skipped"] = "; ".join(s.splitlines()[0] for s in skipped)
@@ -468,6 +540,7 @@ def run_comparison(args: argparse.Namespace, console: Any = None) -> Comparison:
     args.model_dir = ensure_model_dir(Path(args.model_dir))
     args.out.mkdir(parents=True, exist_ok=True)
     total = len(build_workload(args).plan())
+    shared = shared_prefix_bodies(args) if getattr(args, "warm_shared_prefixes", True) else []
     runs: list[PolicyRun] = []
     with tempfile.TemporaryDirectory(prefix="cacheroute-compare-") as tmp, \
             contextlib.ExitStack() as stack, _placed(args):
@@ -490,7 +563,7 @@ def run_comparison(args: argparse.Namespace, console: Any = None) -> Comparison:
             for r in range(args.repeats):
                 for policy in round_order(policies, r):
                     run = _run_policy(policy, r, fleet, index, profile, args, log_dir,
-                                      progress, total)
+                                      progress, total, shared)
                     if isinstance(run, str):
                         skipped.append(run)
                         policies = [p for p in policies if p != policy]
@@ -507,7 +580,7 @@ def run_comparison(args: argparse.Namespace, console: Any = None) -> Comparison:
                         args.replicas * fleet.blocks_per_replica)
         for run in runs:
             run.oracle = oracle
-        meta = _meta(args, use_redis, profile, skipped)
+        meta = _meta(args, use_redis, profile, skipped, len(shared))
         files = write_report(args.out, runs, meta, time_scale=args.time_scale,
                              plots=not args.no_plots)
     return Comparison(runs, files, index, skipped, profile)
@@ -515,8 +588,10 @@ def run_comparison(args: argparse.Namespace, console: Any = None) -> Comparison:
 
 def _run_policy(policy: str, round_index: int, fleet: TargetFleet, index: str,
                 profile: GatewayProfile, args: argparse.Namespace, log_dir: Path,
-                progress: Any, total: int) -> PolicyRun | str:
-    """One policy's run on emptied caches; a peer that fails to start gives its reason."""
+                progress: Any, total: int,
+                shared: Sequence[dict[str, Any]] = ()) -> PolicyRun | str:
+    """One policy's run on emptied caches; a peer that fails to start gives its reason.
+    `shared`: shared_prefix_bodies, for our gateways' warm-up."""
     label = policy if args.repeats == 1 else f"{policy} (round {round_index + 1})"
     task = progress.add_task(label, total=total)
     fleet.reset_caches()
@@ -527,6 +602,12 @@ def _run_policy(policy: str, round_index: int, fleet: TargetFleet, index: str,
                 urls, note):
             for url in urls:
                 asyncio.run(warm_up(url, args))
+                if split_policy(policy)[0] is None:
+                    # Ours only: a peer that tokenizes chat (SMG) would insert the
+                    # refused request's text into its cache tree, and vllm-router's
+                    # cache_aware does so for any request it routes; vllm-router does not
+                    # tokenize chat, and SMG keeps no tokenizer cache by default.
+                    asyncio.run(warm_shared_prefixes(url, shared))
             before = fleet.request_counts()
 
             def advance(_record: RequestRecord) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -12,6 +13,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from loadgen import compare
+from loadgen.harness import MODEL_NAME
+from loadgen.workload_flags import build_workload
 from replica.fleet import AsyncSimFleet, free_port
 from router.index import RedisIndex
 from router.replicas import parse_prometheus_gauges
@@ -186,6 +190,56 @@ async def test_a_request_not_served_leaves_no_pending_prefix(
             reply = await gw.post("/v1/completions", completion(prompt))
             assert reply.status == 200, reply.body
             assert (reply.predicted, reply.cached) == (0, 0)
+
+
+async def test_the_harness_warms_a_gateways_tokenizer_with_shared_prefixes_only(
+        start_gateway: Any, http: aiohttp.ClientSession, tiny_model_dir: Path) -> None:
+    """loadgen compare's --warm-shared-prefixes: what an agent's sessions share (system
+    prompt, tools) is tokenized once by the gateway, which refuses the request (context
+    check), so no replica sees it and nothing is left pending."""
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    args = parser.parse_args([
+        "--api", "chat", "--workload", "agent", "--conversations", "3", "--turns", "2",
+        "--instruction-tokens", "200", "--tools", "3", "--tool-tokens", "120",
+        "--question-tokens", "8",
+        "--max-model-len", "2048", "--out", "unused"])
+    bodies = compare.shared_prefix_bodies(args)
+    assert len(bodies) == 1  # three sessions, one shared prefix
+    assert bodies[0]["messages"][-1] == {"role": "user", "content": "hi"}
+    assert len(bodies[0]["tools"]) == 3 and bodies[0]["max_tokens"] == 2049
+    assert compare.shared_prefix_bodies(parser.parse_args(
+        ["--api", "tokens", "--workload", "agent", "--out", "unused"])) == []
+    model = MODEL_NAME
+    async with AsyncSimFleet(2, block_size=16, model_dir=tiny_model_dir,
+                             served_model_name=model) as fleet:
+        gw = await start_gateway(gateway_config(
+            fleet.replicas, model=model, port=free_port(),
+            models={model: {"tokenizer": str(tiny_model_dir), "max_model_len": 2048}},
+            tenants={"allow_anonymous": True}))  # as compare configures its gateways
+        assert gw.app_gateway is not None
+        tokenizer = gw.app_gateway.tokenizers[model]
+        workload = build_workload(args)
+        first = workload.render(workload.plan()[0])
+        assert first.messages is not None
+        turn = {"model": model, "tools": list(first.tools),
+                "messages": [{"role": m.role, "content": m.content} for m in first.messages]}
+        text = tokenizer.render_chat(turn)
+        question = first.messages[-1].content
+        unseen = tokenizer.uncached_chars(text)
+        assert unseen > 2000 + len(question)  # the system prompt and tools, never seen
+
+        async def served() -> float:
+            return sum([await sim_gauge(http, r.url, "vllm:time_to_first_token_seconds_count")
+                        for r in fleet.replicas])
+
+        before = await served()
+        await compare.warm_shared_prefixes(gw.url, bodies)
+        assert await served() == before  # refused by the gateway: no replica saw it
+        assert await bounded_entries(gw, "pending") == 0
+        # What is left to encode of the first real turn: its question (and the line
+        # breaks around it), not the shared system prompt and tools.
+        assert tokenizer.uncached_chars(text) <= len(question) + 8
 
 
 async def test_tenants_with_different_salts_never_share(start_gateway: Any) -> None:

@@ -172,6 +172,8 @@ def test_chat_agent_through_smg_and_ours_over_two_rounds(tmp_path: Path,
     assert "| smg:cache_aware | 2 |" in md
     assert "gateway profile: exact" in md
     assert "api: chat: messages (and tools)" in md
+    # Our gateway (not SMG) first tokenized the two sessions' shared prompt and tools.
+    assert "then tokenized, once, the 1 prefix(es) that several conversations share" in md
 
 
 def test_policy_set_overrides_the_gateway_policy() -> None:
