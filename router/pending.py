@@ -17,8 +17,9 @@ index says already. A pending match therefore continues the index's: from the re
 indexed run, as far as pending keys go on.
 
 A pending entry is a prediction, not a fact, so it is bounded three ways: it expires
-`ttl_s` after the request was routed, it is dropped when that request fails, and the
-whole store holds at most `capacity_blocks` keys (oldest routes first out). Pure and
+`ttl_s` after the request was routed; it is dropped when that replica does not serve the
+request (refused after routing, failed, or served by another: Route.drop_pending); and
+the whole store holds at most `capacity_blocks` keys (oldest routes first out). Pure and
 synchronous; `now` is passed in.
 """
 
