@@ -9,7 +9,8 @@ the gateway's path, ids already checked, beside the per-block loop with int() on
 every id it replaced, interleaved, as a ratio),
 and chat tokenization in full (a fresh tokenizer; a warm one without segment reuse)
 and incremental (one new ~200-token turn on a conversation whose history the segment
-cache has seen), checking that the incremental ids equal the full ones. The synthetic
+cache has seen), checking that the incremental ids equal the full ones, and the gateway's
+encoding without character offsets beside the tokenizer's plain encode (interleaved). The synthetic
 turns reuse a small word list, which flatters the warm full case (the tokenizer's own
 word cache hits almost always); real text sits between the cold and warm numbers.
 """
@@ -119,6 +120,12 @@ def _bench_size(model_dir: Path, size: int, block_size: int, algos: tuple[str, .
     t_render = _best_of(lambda: warm.render_chat(next_body), repeats)
     # The same tokenizer, warm (its BPE word cache filled) but without segment reuse.
     t_warm_full = _best_of(lambda: warm.encode(text, add_special_tokens=False), repeats)
+    # PromptTokenizer.encode leaves out the character offsets the tokenizer's own encode
+    # also computes (encode_batch_fast): the same ids, interleaved with the plain call.
+    backend = warm._backend
+    t_fast, t_plain = _interleaved_best(
+        lambda: warm.encode(text, add_special_tokens=False),
+        lambda: backend.encode(text, add_special_tokens=False), max(repeats, 5))
 
     lines = [f"\n~{size // 1000}k tokens: history {len(ids)}, next turn +{len(next_ids) - len(ids)}"]
     lines.append(f"  tokenize full (cold)          {_rate(len(ids), t_full)}")
@@ -126,6 +133,8 @@ def _bench_size(model_dir: Path, size: int, block_size: int, algos: tuple[str, .
     lines.append(f"  tokenize incremental (cached) {_rate(len(next_ids), t_incr)}"
                  f"  exact={exact}  speedup x{t_full / t_incr:.1f}")
     lines.append(f"    of which template render    {t_render * 1e3:9.2f} ms")
+    lines.append(f"  encode without offsets        {t_fast * 1e3:9.2f} ms, with them "
+                 f"{t_plain * 1e3:.2f} ms: x{t_fast / t_plain:.2f}")
     for algo in algos:
         config = HashConfig(algo=algo, block_size=block_size, seed="0")
         t_hash = _best_of(partial(chain_hashes, config, next_ids), repeats)

@@ -254,6 +254,20 @@ def test_prefix_cache_equals_full_tokenization(tiny_model_dir: Path) -> None:
     assert tok.segment_cache.stats.hits > tok.segment_cache.stats.misses
 
 
+def test_encoding_without_offsets_gives_the_tokenizers_own_ids(tok: PromptTokenizer) -> None:
+    # PromptTokenizer.encode skips the character offsets (encode_batch_fast); the ids must
+    # be those of the tokenizer's plain encode, special tokens in the text and added.
+    backend = tok._backend
+    rng = random.Random(2)
+    texts = ["", " ", "\n\n", "héllo wörld 你好 🎉 \t tabs  and  spaces",
+             "<|im_start|>user\nhi<|im_end|>\n<s> </s>", "a" * 5000,
+             *(tok.render_chat({"messages": _random_conversation(rng)}) for _ in range(30))]
+    for text in texts:
+        for special in (False, True):
+            assert tok.encode(text, add_special_tokens=special) == \
+                backend.encode(text, add_special_tokens=special).ids, (text[:60], special)
+
+
 def test_prefix_cache_is_bounded(tiny_model_dir: Path) -> None:
     tok = PromptTokenizer.from_dir(tiny_model_dir, segment_cache_chars=2_000)
     assert tok.segment_cache is not None
