@@ -206,9 +206,8 @@ async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: 
     response, outcome = await gw.forwarder.forward(request, up, candidates, response_headers)
     if outcome.first_byte_at is not None:
         gw.metrics.record_first_byte(outcome.first_byte_at - arrived)
-    if outcome.status != 200 or outcome.replica_id != route.decision.replica_id:
-        # The chosen replica never cached it.
-        route.drop_pending(gw.pipeline.pending if gw.pipeline is not None else None)
+    route.settle_pending(gw.pipeline.pending if gw.pipeline is not None else None,
+                         outcome.replica_id, outcome.status)
     replica = gw.fleet.get(outcome.replica_id) if outcome.replica_id else None
     if replica is not None and outcome.status == 200:
         expect_events(gw, replica, sent_at, outcome.prompt_tokens, outcome.cached_tokens)

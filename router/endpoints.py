@@ -269,16 +269,14 @@ async def handle_conversation(request: web.Request) -> web.StreamResponse:
         if gw.config.proxy.expose_routing_headers:
             extra["x-cacheroute-predicted-cached-tokens"] = str(
                 route.predicted_for(replica.replica_id))
-        served_there = False
+        response: web.StreamResponse | None = None
         try:
             response = await _relay(gw, request, replica, request.path,
                                     _with_salt(raw, body, salt), extra)
-            served_there = response.status == 200 and \
-                replica.replica_id == route.decision.replica_id
             return response
         finally:
-            if not served_there:
-                route.drop_pending(gw.pipeline.pending)
+            route.settle_pending(gw.pipeline.pending, replica.replica_id,
+                                 response.status if response is not None else 0)
 
 
 async def models_cards(gw: Gateway) -> list[dict[str, Any]]:

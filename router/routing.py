@@ -459,6 +459,12 @@ class Route:
             pending.drop(self.pending_handle)
             self.pending_handle = None
 
+    def settle_pending(self, pending: PendingChains | None, served_by: str | None,
+                       status: int) -> None:
+        """Keep the pending chain only if the chosen replica answered the request (200)."""
+        if status != 200 or served_by != self.decision.replica_id:
+            self.drop_pending(pending)
+
     def release(self, now: float) -> None:
         """End the reservations no attempt took over (refused, failed over, never sent)."""
         by_id = {r.replica_id: r for r in self.candidates}
