@@ -19,6 +19,7 @@ from router.index import (
     PrefixIndex,
     RedisIndex,
 )
+from router.index.memory import APPLY_SLICE
 
 MODEL = "tiny"
 
@@ -381,3 +382,30 @@ async def test_warm_leaves_the_answers_unchanged(index: PrefixIndex) -> None:
     await index.add(MODEL, "r1", [1, 2])
     await index.warm(2)
     assert await index.lookup(MODEL, [1, 2]) == {"r1": 2}
+
+
+async def test_memory_index_applies_a_long_batch_in_slices_as_one_put_would() -> None:
+    # A 300-block event is applied APPLY_SLICE blocks at a time with the loop let go
+    # between slices (the answer the batch came with goes out meanwhile). The result is
+    # the one unsliced write's, down to which blocks a capacity bound evicts first.
+    chain = tuple(range(1000, 1300))
+    sliced, whole = MemoryIndex(capacity_blocks=250), MemoryIndex(capacity_blocks=250)
+    ran_between: list[int] = []
+
+    async def neighbour() -> None:
+        while len(ran_between) < 100:
+            ran_between.append(len(sliced._lru.get((MODEL, "r1"), ())))
+            await asyncio.sleep(0)
+
+    other = asyncio.ensure_future(neighbour())
+    await asyncio.sleep(0)
+    await sliced.apply("r1", [IndexOp("add", MODEL, chain),
+                              IndexOp("remove", MODEL, chain[200:])])
+    other.cancel()
+    whole._put(MODEL, "r1", chain, None, 250)
+    await whole.remove(MODEL, "r1", chain[200:])
+    assert list(sliced._lru[(MODEL, "r1")]) == list(whole._lru[(MODEL, "r1")])
+    assert await sliced.lookup(MODEL, list(chain)) == await whole.lookup(MODEL, list(chain))
+    # The neighbour ran while the batch was half written.
+    assert any(0 < n < 250 for n in ran_between)
+    assert APPLY_SLICE < 300
