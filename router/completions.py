@@ -27,7 +27,7 @@ from router.recording import holds_unannounced_blocks, record_blocks, record_out
 from router.replicas import Replica
 from router.request import ENDPOINTS, ClientError, ParsedRequest, parse_request, upstream_payload
 from router.routing import KnownTokens, Route
-from router.suspects import request_fingerprint
+from router.suspects import Fingerprint, request_fingerprint
 from router.tenants import Tenant
 from router.vllm_rules import check_context
 
@@ -89,7 +89,8 @@ async def _route_and_forward(gw: Gateway, request: web.Request, raw: bytes, tena
         route = await gw.pipeline.route(parsed, served, gw.fleet.now(), tenant.tenant_id,
                                         parsed.cache_salt,
                                         session_key, offload=True,
-                                        tokenizer=known, reserve=True, turn=turn)
+                                        tokenizer=known, reserve=True, turn=turn,
+                                        defer_keys=True)
     except NoReplicasError:
         return json_error(503, "no replica serves this model", "service_unavailable")
     try:
@@ -184,10 +185,20 @@ async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: 
                          collect_token_ids=want_ids,
                          max_tokens=parsed.max_tokens,
                          predicted_work=route.decision.predicted_work,
-                         reserved=route.reserved,
-                         fingerprint=request_fingerprint(route.prompt.keys,
-                                                         route.prompt.num_tokens, parsed.raw,
-                                                         route.cache_salt))
+                         reserved=route.reserved)
+    pipeline = gw.pipeline
+    assert pipeline is not None
+
+    def finish_keys() -> None:
+        route.finish_keys(pipeline.chains, pipeline.pending)
+
+    def fingerprint() -> Fingerprint:
+        finish_keys()
+        return request_fingerprint(route.prompt.keys, route.prompt.num_tokens, parsed.raw,
+                                   route.cache_salt)
+
+    up.fingerprint_of = fingerprint
+    up.on_sent = finish_keys
     expose = gw.config.proxy.expose_routing_headers
 
     def response_headers(replica: Replica) -> dict[str, str]:
@@ -206,8 +217,8 @@ async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: 
     response, outcome = await gw.forwarder.forward(request, up, candidates, response_headers)
     if outcome.first_byte_at is not None:
         gw.metrics.record_first_byte(outcome.first_byte_at - arrived)
-    route.settle_pending(gw.pipeline.pending if gw.pipeline is not None else None,
-                         outcome.replica_id, outcome.status)
+    finish_keys()  # where no attempt got as far as sending
+    route.settle_pending(pipeline.pending, outcome.replica_id, outcome.status)
     replica = gw.fleet.get(outcome.replica_id) if outcome.replica_id else None
     if replica is not None and outcome.status == 200:
         expect_events(gw, replica, sent_at, outcome.prompt_tokens, outcome.cached_tokens)

@@ -71,6 +71,20 @@ class PendingChains:
             self._remove(next(iter(self._routes)))
         return handle
 
+    def extend(self, handle: int, keys: Sequence[int]) -> None:
+        """Continue a live route's chain with `keys` (its blocks keyed after routing:
+        router/routing.py Route.finish_keys); nothing if the route is gone."""
+        route = self._routes.get(handle)
+        if route is None or not keys:
+            return
+        route.keys += tuple(keys)
+        held = self._held[(route.model, route.replica_id)]
+        for k in keys:
+            held[k] = held.get(k, 0) + 1
+        self._blocks += len(keys)
+        while self._blocks > self.capacity_blocks and self._routes:
+            self._remove(next(iter(self._routes)))
+
     def drop(self, handle: int) -> None:
         """Forget a route whose request failed: the replica never cached it."""
         if handle in self._routes:

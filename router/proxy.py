@@ -42,6 +42,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 
 from router.config import ProxyConfig
 from router.metrics import GatewayMetrics
@@ -258,8 +259,10 @@ class Forwarder:
             try:
                 async with asyncio.timeout(deadline):
                     if up.payload is not None:
+                        data = up.payload if up.on_sent is None else \
+                            _SentPayload(up.payload, up.on_sent)
                         resp = await self._session.post(
-                            replica.base_url + up.path, data=up.payload, headers=up.headers,
+                            replica.base_url + up.path, data=data, headers=up.headers,
                             timeout=timeout)
                     else:
                         resp = await self._session.post(
@@ -448,6 +451,20 @@ class IdleWatch:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+
+class _SentPayload(aiohttp.BytesPayload):
+    """A request body that calls `on_sent` (on the loop, once it is free) after aiohttp
+    has written it to the connection: the replica is working on the request by then."""
+
+    def __init__(self, value: bytes, on_sent: Callable[[], None]) -> None:
+        super().__init__(value)
+        self._on_sent = on_sent
+
+    async def write_with_length(self, writer: AbstractStreamWriter,
+                                content_length: int | None) -> None:
+        await super().write_with_length(writer, content_length)
+        asyncio.get_running_loop().call_soon(self._on_sent)
 
 
 def _status_failure(status: int, text: str) -> UpstreamFailure:

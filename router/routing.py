@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import xxhash
@@ -110,9 +110,14 @@ class ChainCache:
         self.reused_blocks = 0
 
     def event_keys(self, config: HashConfig, tokens: Sequence[int],
-                   cache_salt: str | None) -> list[int]:
+                   cache_salt: str | None, probe: int | None = None) -> list[int]:
         """The 64-bit event keys of every full block of `tokens` (Python ints, as every
-        caller has them) under config and salt."""
+        caller has them) under config and salt.
+
+        With `probe`, a prompt with more than twice `probe` blocks past its longest
+        remembered prefix gets keys only through `probe` of them: enough to tell whether
+        any replica holds past what this gateway has seen (RoutingPipeline.route). A
+        later call without it hashes only the rest: the probe's keys are remembered."""
         size = config.block_size
         n = len(tokens) // size
         if n == 0:
@@ -141,6 +146,8 @@ class ChainCache:
                 self._chains.move_to_end(id(found))
                 self.reused_blocks += n
                 return found.event_keys[:n]
+            if probe is not None and n - reused > 2 * probe:
+                n = reused + probe
             known_digests = found.digests[:reused] if found is not None else []
             known_events = found.event_keys[:reused] if found is not None else []
         chain = BlockChain(config, cache_salt=cache_salt)
@@ -184,23 +191,37 @@ class ChainCache:
 
 @dataclass(frozen=True)
 class PreparedPrompt:
-    """The CPU-bound part of routing: token count and keys for each hash group."""
+    """The CPU-bound part of routing: token count and keys for each hash group.
+
+    `complete` False: the keys stop at a probe (ChainCache.event_keys), and `completed`
+    gives the prompt with all of them."""
 
     num_tokens: int
     tokens: tuple[int, ...] | None
     keys: Mapping[HashConfig, tuple[int, ...]]
     seconds: float
+    complete: bool = True
+
+    def completed(self, chains: ChainCache, cache_salt: str | None) -> PreparedPrompt:
+        if self.complete or self.tokens is None:
+            return self
+        keys = {config: tuple(chains.event_keys(config, self.tokens, cache_salt))
+                for config in self.keys}
+        return replace(self, keys=keys, complete=True)
 
 
 def prepare_prompt(tokenizer: Tokenizer | None, chains: ChainCache, parsed: ParsedRequest,
-                   groups: Iterable[HashConfig], cache_salt: str | None) -> PreparedPrompt:
-    """Render + tokenize the prompt as the replica will and key it per hash group.
+                   groups: Iterable[HashConfig], cache_salt: str | None,
+                   probe: int | None = None) -> PreparedPrompt:
+    """Render + tokenize the prompt as the replica will and key it per hash group
+    (through `probe`: see key_prompt).
 
     Synchronous and thread-safe. Without a tokenizer only token-id prompts can be keyed;
     others route on load alone (num_tokens 0, no keys).
     """
     started = time.perf_counter()
-    return key_prompt(prompt_tokens(tokenizer, parsed), chains, groups, cache_salt, started)
+    return key_prompt(prompt_tokens(tokenizer, parsed), chains, groups, cache_salt, started,
+                      probe)
 
 
 # Past this many characters of text the tokenizer has not seen (about 2,000 tokens, 2-3
@@ -264,14 +285,19 @@ async def tokens_off_the_loop_when_long(tokenizer: Tokenizer | None, parsed: Par
 
 
 def key_prompt(tokens: list[int] | None, chains: ChainCache, groups: Iterable[HashConfig],
-               cache_salt: str | None, started: float) -> PreparedPrompt:
-    """A prompt's ids keyed per hash group; `started` is when its preparation began."""
+               cache_salt: str | None, started: float,
+               probe: int | None = None) -> PreparedPrompt:
+    """A prompt's ids keyed per hash group; `started` is when its preparation began.
+    `probe`: keys only through that many blocks past what `chains` remembers, where
+    more follow (ChainCache.event_keys); the prompt is then not `complete`."""
     keys: dict[HashConfig, tuple[int, ...]] = {}
+    complete = True
     if tokens:
         for config in groups:
-            keys[config] = tuple(chains.event_keys(config, tokens, cache_salt))
+            keys[config] = tuple(chains.event_keys(config, tokens, cache_salt, probe))
+            complete = complete and len(keys[config]) == len(tokens) // config.block_size
     return PreparedPrompt(num_tokens=len(tokens or ()), tokens=tuple(tokens) if tokens else None,
-                          keys=keys, seconds=time.perf_counter() - started)
+                          keys=keys, seconds=time.perf_counter() - started, complete=complete)
 
 
 def prompt_tokens(tokenizer: Tokenizer | None, parsed: ParsedRequest) -> list[int] | None:
@@ -465,6 +491,21 @@ class Route:
         if status != 200 or served_by != self.decision.replica_id:
             self.drop_pending(pending)
 
+    def finish_keys(self, chains: ChainCache, pending: PendingChains | None) -> None:
+        """Key the blocks a deferred decision left unkeyed (RoutingPipeline.route's
+        `defer_keys`) and add them to the chain pending on the chosen replica. Called once
+        the request is on its way; a no-op when every key is there already."""
+        if self.prompt.complete:
+            return
+        probed = self.prompt.keys
+        self.prompt = self.prompt.completed(chains, self.cache_salt)
+        chosen = next((r for r in self.candidates if r.replica_id == self.decision.replica_id),
+                      None)
+        if pending is not None and self.pending_handle is not None and chosen is not None:
+            config = chosen.target.hash_config
+            pending.extend(self.pending_handle,
+                           self.prompt.keys.get(config, ())[len(probed.get(config, ())):])
+
     def release(self, now: float) -> None:
         """End the reservations no attempt took over (refused, failed over, never sent)."""
         by_id = {r.replica_id: r for r in self.candidates}
@@ -493,11 +534,23 @@ class RoutingPipeline:
     shared: SharedWork | None = None
     segments: SharedSegments | None = None
 
+    def _with_pending(self, model: str, readable: Mapping[HashConfig, tuple[int, ...]],
+                      members: Mapping[HashConfig, set[str]], lookup: LookupResult,
+                      now: float) -> Mapping[str, int]:
+        """The index's matches, lengthened by prefixes routed moments ago whose replica
+        has not announced them yet."""
+        matches: Mapping[str, int] = lookup.matches
+        if self.pending is not None:
+            for config, chain in readable.items():
+                matches = merge_matches(matches, self.pending.matches(
+                    model, chain, members.get(config, ()), now, lookup.matches))
+        return matches
+
     async def route(self, parsed: ParsedRequest, replicas: Sequence[Replica], now: float,
                     tenant: str | None, cache_salt: str | None,
                     session_key: str | None = None, offload: bool = True,
                     tokenizer: Tokenizer | None = None, reserve: bool = False,
-                    turn: TurnLike = NO_TURN) -> Route:
+                    turn: TurnLike = NO_TURN, defer_keys: bool = False) -> Route:
         """Decide where `parsed` goes among `replicas` (all those serving its model).
 
         `reserve` enters the request in the chosen replica's outstanding work at once
@@ -507,6 +560,15 @@ class RoutingPipeline:
         (tokens_off_the_loop_when_long); the rest of the preparation stays on the loop.
         `tokenizer` overrides the model's local one (remote tokenization). `turn`: the
         request's place in the arrival order, let go of around the lookup.
+
+        `defer_keys`: a prompt with many blocks this gateway has never hashed (a cold
+        8k-token prompt: 512 blocks, ~1 ms) is keyed only through PROBE_BLOCKS of them
+        before deciding. Holding is a contiguous run from block 0, so where no replica
+        (indexed or pending) holds the last probed block, none holds anything past it and
+        the decision is the one all keys would give; the caller finishes the keys once
+        the request is on its way (Route.finish_keys), while the replica prefills. Where
+        some replica does hold it (a prefix routed by another gateway, or before a
+        restart), the rest is keyed and looked up before deciding, as without deferral.
         """
         if not replicas:
             raise NoReplicasError(f"no replica serves {parsed.model!r}")
@@ -515,6 +577,7 @@ class RoutingPipeline:
         for r in replicas:
             members.setdefault(r.target.hash_config, set()).add(r.replica_id)
         tokenizer = tokenizer or self.tokenizers.get(parsed.model)
+        probe = PROBE_BLOCKS if defer_keys else None
         if offload and self.executor is not None:
             prepared = time.perf_counter()
             # Segment ids are shared only while another gateway is live (as far as the
@@ -522,12 +585,14 @@ class RoutingPipeline:
             alone = self.shared is not None and self.shared.alone
             tokens = await tokens_off_the_loop_when_long(
                 tokenizer, parsed, self.executor, None if alone else self.segments, turn)
-            prompt = key_prompt(tokens, self.chains, list(members), cache_salt, prepared)
+            prompt = key_prompt(tokens, self.chains, list(members), cache_salt, prepared,
+                                probe)
         else:
-            prompt = prepare_prompt(tokenizer, self.chains, parsed, list(members), cache_salt)
+            prompt = prepare_prompt(tokenizer, self.chains, parsed, list(members), cache_salt,
+                                    probe)
         # vLLM does not read its prefix cache for this request: no replica gets credit.
-        readable: Mapping[HashConfig, tuple[int, ...]] = {} if skips_prefix_cache(parsed.body, parsed.endpoint == "chat") \
-            else prompt.keys
+        skips = skips_prefix_cache(parsed.body, parsed.endpoint == "chat")
+        readable: Mapping[HashConfig, tuple[int, ...]] = {} if skips else prompt.keys
         # Other gateways' work, read beside the lookup and under the same deadline.
         peers_read = (asyncio.ensure_future(self.shared.read(2 * self.index_deadline_s))
                       if self.shared is not None and self.shared.read_due() else None)
@@ -539,12 +604,15 @@ class RoutingPipeline:
         # Tokenizing and the lookup took time (a burst is prepared one request after
         # another): the outstanding work is read as of now, not as of the request's arrival.
         now = self.clock()
-        matches: Mapping[str, int] = lookup.matches
-        if self.pending is not None:
-            # Prefixes routed moments ago whose replica has not announced them yet.
-            for config, chain in readable.items():
-                matches = merge_matches(matches, self.pending.matches(
-                    parsed.model, chain, members.get(config, ()), now, lookup.matches))
+        matches = self._with_pending(parsed.model, readable, members, lookup, now)
+        if not prompt.complete and _probe_held(readable, members, matches):
+            # Some replica holds the whole probe: the rest decides how much.
+            prompt = prompt.completed(self.chains, cache_salt)
+            readable = {} if skips else prompt.keys
+            lookup = await lookup_matches(self.index, parsed.model, readable, members,
+                                          self.index_deadline_s, turn)
+            now = self.clock()
+            matches = self._with_pending(parsed.model, readable, members, lookup, now)
         # A replica with little traffic yet borrows its fleet's learned TTFT bias.
         views = {r.replica_id: r.work.view(now) for r in replicas}
         prior = fleet_bias(views.values())
@@ -586,6 +654,19 @@ class RoutingPipeline:
                      matches=lookup.matches, lookup=lookup,
                      decision_seconds=time.perf_counter() - started, cache_salt=cache_salt,
                      predicted=predicted, pending_handle=pending_handle, reserved=reserved)
+
+
+# Blocks keyed past what the gateway remembers before a deferred decision (route's
+# `defer_keys`): 512 tokens at vLLM's GPU block size, a typical new question or answer,
+# ~0.1 ms of hashing. A prompt whose new part is at most twice this is keyed whole.
+PROBE_BLOCKS = 32
+
+
+def _probe_held(readable: Mapping[HashConfig, tuple[int, ...]],
+                members: Mapping[HashConfig, set[str]], matches: Mapping[str, int]) -> bool:
+    """Whether some replica holds every probed block of its group's chain."""
+    return any(chain and matches.get(rid, 0) >= len(chain)
+               for config, chain in readable.items() for rid in members.get(config, ()))
 
 
 def completion_keys(chains: ChainCache, config: HashConfig, prompt_tokens: Sequence[int],

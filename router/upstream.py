@@ -9,7 +9,7 @@ generated token ids and hiding what the gateway asked for on the client's behalf
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,11 +41,19 @@ class UpstreamRequest:
     # replica id -> the outstanding-work entry routing reserved there (Route.reserved,
     # shared): the attempt on that replica takes it over and ends it.
     reserved: dict[str, int] = field(default_factory=dict)
-    # Identifies the request again (router/suspects.py); None: a hash of the body.
+    # Identifies the request again (router/suspects.py); None: `fingerprint_of()` when
+    # given (computed only when asked: while no request is suspected, never), else a hash
+    # of the body.
     fingerprint: Fingerprint | None = None
+    fingerprint_of: Callable[[], Fingerprint] | None = None
+    # Called once the body is written to a replica's connection: work that can wait
+    # until the replica has the request (router/routing.py Route.finish_keys).
+    on_sent: Callable[[], None] | None = None
 
     def identity(self) -> Fingerprint:
         """The request's fingerprint, computed from the body when none was given."""
+        if self.fingerprint is None and self.fingerprint_of is not None:
+            self.fingerprint = self.fingerprint_of()
         if self.fingerprint is None:
             body = self.payload if self.payload is not None else \
                 json.dumps(self.body, sort_keys=True).encode()

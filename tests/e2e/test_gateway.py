@@ -192,6 +192,31 @@ async def test_a_request_not_served_leaves_no_pending_prefix(
             assert (reply.predicted, reply.cached) == (0, 0)
 
 
+async def test_a_long_cold_prompt_ends_pending_whole_on_the_replica_it_went_to(
+        start_gateway: Any, tiny_model_dir: Path) -> None:
+    """A prompt of many blocks the gateway has never hashed is decided on a probe of
+    them and keyed whole once it is on its way (router/routing.py, `defer_keys`): the
+    whole chain ends up pending on the replica that took it, and a follower of the
+    prefix goes there."""
+    async with AsyncSimFleet(2, block_size=16, model_dir=tiny_model_dir,
+                             served_model_name=MODEL) as fleet:
+        gw = await start_gateway(gateway_config(fleet.replicas, model=MODEL, port=free_port(),
+                                                model_dir=tiny_model_dir))
+        assert gw.app_gateway is not None and gw.app_gateway.pipeline is not None
+        prompt = tokens(23, 16 * 100)
+        reply = await gw.post("/v1/completions", completion(prompt))
+        assert reply.status == 200, reply.body
+        assert (reply.predicted, reply.cached) == (0, 0)
+        assert await bounded_entries(gw, "pending") == 100
+        assert gw.app_gateway.pipeline.chains.hashed_blocks == 100
+        follower = await gw.post("/v1/completions", completion([*prompt, *tokens(24, 40)]))
+        assert follower.status == 200, follower.body
+        assert follower.headers["x-cacheroute-replica"] == reply.headers["x-cacheroute-replica"]
+        # (What the index predicts depends on whether the replica's events came yet; the
+        # pending chain took the follower there either way.)
+        assert follower.cached == 100 * 16
+
+
 async def test_the_harness_warms_a_gateways_tokenizer_with_shared_prefixes_only(
         start_gateway: Any, http: aiohttp.ClientSession, tiny_model_dir: Path) -> None:
     """loadgen compare's --warm-shared-prefixes: what an agent's sessions share (system

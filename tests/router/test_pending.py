@@ -63,3 +63,18 @@ def test_zero_ttl_turns_it_off() -> None:
 
 def test_merge_takes_the_longer_match_per_replica() -> None:
     assert merge_matches({"a": 3, "b": 1}, {"b": 4, "c": 2}) == {"a": 3, "b": 4, "c": 2}
+
+
+def test_extending_a_route_continues_its_chain_and_counts_towards_capacity() -> None:
+    pending = PendingChains(ttl_s=10.0, capacity_blocks=6)
+    handle = pending.add("m", "r0", [1, 2], now=0.0)
+    pending.extend(handle, [3, 4])
+    assert pending.matches("m", [1, 2, 3, 4, 5], ["r0"], now=1.0) == {"r0": 4}
+    assert pending.blocks == 4
+    other = pending.add("m", "r1", [7, 8], now=0.5)
+    pending.extend(other, [9])  # 7 blocks > 6: the oldest route, extended, goes whole
+    assert pending.matches("m", [1, 2], ["r0"], now=1.0) == {}
+    assert pending.matches("m", [7, 8, 9], ["r1"], now=1.0) == {"r1": 3}
+    pending.drop(other)
+    pending.extend(other, [10])  # a route that is gone stays gone
+    assert pending.blocks == 0 and len(pending) == 0

@@ -374,3 +374,69 @@ async def test_only_a_long_encode_of_unseen_text_leaves_the_event_loop(
         assert pool.calls == 2
     finally:
         pool.shutdown()
+
+
+def test_chain_cache_probe_keys_a_long_new_part_only_as_far_as_the_probe() -> None:
+    cache = ChainCache()
+    system = list(range(16 * 20))
+    cache.event_keys(CONFIG, system, None)
+    prompt = [*system, *range(5000, 5000 + 16 * 100)]
+    full = [event_key(d) for d in chain_hashes(CONFIG, prompt)]
+    probed = cache.event_keys(CONFIG, prompt, None, probe=8)
+    assert probed == full[: 20 + 8] and cache.hashed_blocks == 20 + 8
+    # The rest, later: only the blocks past the probe are hashed.
+    assert cache.event_keys(CONFIG, prompt, None) == full
+    assert cache.hashed_blocks == 20 + 100
+    # A new part of at most twice the probe is keyed whole.
+    short = [*system, *range(9000, 9000 + 16 * 16)]
+    assert cache.event_keys(CONFIG, short, None, probe=8) == \
+        [event_key(d) for d in chain_hashes(CONFIG, short)]
+
+
+async def test_a_cold_prompt_is_decided_on_its_probe_and_keyed_whole_after() -> None:
+    # Nothing holds the probe's last block, so nothing holds past it: the decision is
+    # the one all keys give, and the rest is keyed (and pending) once the request left.
+    fleet = replicas(3)
+    cold = list(range(16 * 200))
+    full = [event_key(d) for d in chain_hashes(CONFIG, cold)]
+    decisions = []
+    for defer in (True, False):
+        p = RoutingPipeline(tokenizers={}, chains=ChainCache(), index=MemoryIndex(),
+                            policy=build_policy(PolicyConfig(seed=1, tolerance=0.0)),
+                            index_deadline_s=1.0, pending=PendingChains(ttl_s=10.0))
+        route = await p.route(parse_body(completion(cold), "completions"), fleet,
+                              time.monotonic(), tenant="t", cache_salt=None, defer_keys=defer)
+        decisions.append((route.decision.replica_id, route.decision.predicted_cached,
+                          route.prompt.num_tokens))
+        assert route.prompt.complete is not defer
+        assert p.pending is not None
+        if defer:
+            assert len(route.prompt.keys[CONFIG]) < 200 and p.chains.hashed_blocks < 200
+            assert p.pending.blocks == len(route.prompt.keys[CONFIG])
+        route.finish_keys(p.chains, p.pending)
+        route.finish_keys(p.chains, p.pending)  # twice is harmless
+        assert list(route.prompt.keys[CONFIG]) == full and route.prompt.complete
+        assert p.pending.blocks == 200
+        assert p.pending.matches("m", full, ["r0", "r1", "r2"], time.monotonic()) == \
+            {route.decision.replica_id: 200}
+    assert decisions[0] == decisions[1]
+
+
+async def test_a_probe_held_whole_is_keyed_and_looked_up_in_full_before_deciding() -> None:
+    # A replica holds a long prefix this gateway never hashed (routed by another
+    # gateway, or before a restart): the probe matches to its end, so the decision waits
+    # for the whole chain and sees every held block.
+    index = MemoryIndex()
+    fleet = replicas(3)
+    prompt = list(range(16 * 200))
+    full = [event_key(d) for d in chain_hashes(CONFIG, prompt)]
+    await index.add("m", "r2", full[:150])
+    p = RoutingPipeline(tokenizers={}, chains=ChainCache(), index=index,
+                        policy=build_policy(PolicyConfig(seed=1, tolerance=0.0)),
+                        index_deadline_s=1.0, pending=PendingChains(ttl_s=10.0))
+    route = await p.route(parse_body(completion(prompt), "completions"), fleet,
+                          time.monotonic(), tenant="t", cache_salt=None, defer_keys=True)
+    assert route.prompt.complete and list(route.prompt.keys[CONFIG]) == full
+    assert route.matches == {"r2": 150} and route.decision.replica_id == "r2"
+    assert route.predicted_for("r2") == 150 * 16
+    assert p.pending is not None and p.pending.blocks == 50
