@@ -26,7 +26,7 @@ synchronous; `now` is passed in.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice, takewhile
 
@@ -37,6 +37,8 @@ class _Route:
     replica_id: str
     keys: tuple[int, ...]
     expires_at: float
+    # Its last key, while the chain past it is still to be keyed (`add`'s `unfinished`).
+    unfinished_at: int | None = None
 
 
 class PendingChains:
@@ -50,18 +52,27 @@ class PendingChains:
         self._held: dict[tuple[str, str], dict[int, int]] = {}
         self._blocks = 0
         self._next = 0
+        # last keyed block -> the callback that keys the rest of that route's chain
+        self._unfinished: dict[int, Callable[[], None]] = {}
 
-    def add(self, model: str, replica_id: str, keys: Sequence[int], now: float) -> int:
+    def add(self, model: str, replica_id: str, keys: Sequence[int], now: float,
+            unfinished: Callable[[], None] | None = None) -> int:
         """Remember `keys` as pending on the replica; returns a handle for `drop`.
 
         `keys` are the chain's blocks past what the replica was already known to hold
-        (see the module docstring)."""
+        (see the module docstring). `unfinished`: the chain goes on past `keys` but is not
+        keyed yet (router/routing.py `defer_keys`); the callback keys the rest and
+        `extend`s this route, and `finish_overlapping` calls it for a request that shares
+        the chain through its last keyed block."""
         self._expire(now)
         handle = self._next
         self._next += 1
         if not keys or self.ttl_s <= 0:
             return handle
         route = _Route(model, replica_id, tuple(keys), now + self.ttl_s)
+        if unfinished is not None:
+            route.unfinished_at = route.keys[-1]
+            self._unfinished[route.unfinished_at] = unfinished
         self._routes[handle] = route
         held = self._held.setdefault((model, replica_id), {})
         for k in route.keys:
@@ -75,7 +86,12 @@ class PendingChains:
         """Continue a live route's chain with `keys` (its blocks keyed after routing:
         router/routing.py Route.finish_keys); nothing if the route is gone."""
         route = self._routes.get(handle)
-        if route is None or not keys:
+        if route is None:
+            return
+        if route.unfinished_at is not None:
+            self._unfinished.pop(route.unfinished_at, None)
+            route.unfinished_at = None
+        if not keys:
             return
         route.keys += tuple(keys)
         held = self._held[(route.model, route.replica_id)]
@@ -110,6 +126,20 @@ class PendingChains:
                 out[rid] = start + run
         return out
 
+    def finish_overlapping(self, chain: Sequence[int]) -> bool:
+        """Key the rest of every unfinished route whose last keyed block is in `chain`:
+        a request sharing that much of a prefix routed moments ago likely shares more,
+        and must see all of it pending. In a burst of one new long prefix, the first
+        request is decided on a probe of it, and its rest is keyed only once its body
+        is sent: after the burst's other decisions. True if any was finished."""
+        if not self._unfinished or self._unfinished.keys().isdisjoint(chain):
+            return False
+        for key in [k for k in chain if k in self._unfinished]:
+            finish = self._unfinished.pop(key, None)
+            if finish is not None:
+                finish()
+        return True
+
     @property
     def blocks(self) -> int:
         """Pending block keys held (what capacity_blocks bounds)."""
@@ -128,6 +158,8 @@ class PendingChains:
 
     def _remove(self, handle: int) -> None:
         route = self._routes.pop(handle)
+        if route.unfinished_at is not None:
+            self._unfinished.pop(route.unfinished_at, None)
         scope = (route.model, route.replica_id)
         held = self._held[scope]
         for k in route.keys:

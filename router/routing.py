@@ -605,13 +605,19 @@ class RoutingPipeline:
         # another): the outstanding work is read as of now, not as of the request's arrival.
         now = self.clock()
         matches = self._with_pending(parsed.model, readable, members, lookup, now)
-        if not prompt.complete and _probe_held(readable, members, matches):
-            # Some replica holds the whole probe: the rest decides how much.
+        # A request routed moments ago on a probe of the same new prefix: its whole chain
+        # must be pending before this one is decided (else a burst scatters).
+        overlapping = self.pending is not None and any([
+            self.pending.finish_overlapping(chain) for chain in readable.values()])
+        if not prompt.complete and (overlapping or _probe_held(readable, members, matches)):
+            # Some replica holds (or will) the whole probe: the rest decides how much.
             prompt = prompt.completed(self.chains, cache_salt)
             readable = {} if skips else prompt.keys
             lookup = await lookup_matches(self.index, parsed.model, readable, members,
                                           self.index_deadline_s, turn)
             now = self.clock()
+            matches = self._with_pending(parsed.model, readable, members, lookup, now)
+        elif overlapping:
             matches = self._with_pending(parsed.model, readable, members, lookup, now)
         # A replica with little traffic yet borrows its fleet's learned TTFT bias.
         views = {r.replica_id: r.work.view(now) for r in replicas}
@@ -626,16 +632,8 @@ class RoutingPipeline:
                                  session_key=session_key)
         decision = self.policy.decide(request, states)
         by_id = {r.replica_id: r for r in replicas}
-        pending_handle = None
         reserved: dict[str, int] = {}
         chosen = by_id.get(decision.replica_id)
-        if self.pending is not None and chosen is not None:
-            # Only the blocks past what the replica is known (or pending) to hold: the
-            # rest is already where a lookup finds it.
-            known = matches.get(chosen.replica_id, 0)
-            pending_handle = self.pending.add(
-                parsed.model, chosen.replica_id,
-                prompt.keys.get(chosen.target.hash_config, ())[known:], now)
         if reserve and chosen is not None:
             # Enter the request in its replica's outstanding work now, not when the proxy
             # gets to it: a burst's decisions are made before any of them is forwarded,
@@ -650,10 +648,20 @@ class RoutingPipeline:
                                                   prompt.num_tokens,
                                                   r.target.hash_config.block_size)
             for r in replicas}
-        return Route(parsed=parsed, prompt=prompt, decision=decision, candidates=ranked,
-                     matches=lookup.matches, lookup=lookup,
-                     decision_seconds=time.perf_counter() - started, cache_salt=cache_salt,
-                     predicted=predicted, pending_handle=pending_handle, reserved=reserved)
+        route = Route(parsed=parsed, prompt=prompt, decision=decision, candidates=ranked,
+                      matches=lookup.matches, lookup=lookup,
+                      decision_seconds=time.perf_counter() - started, cache_salt=cache_salt,
+                      predicted=predicted, reserved=reserved)
+        if self.pending is not None and chosen is not None:
+            # Only the blocks past what the replica is known (or pending) to hold: the
+            # rest is already where a lookup finds it.
+            known = matches.get(chosen.replica_id, 0)
+            pending, chains = self.pending, self.chains
+            route.pending_handle = pending.add(
+                parsed.model, chosen.replica_id,
+                prompt.keys.get(chosen.target.hash_config, ())[known:], now,
+                None if prompt.complete else lambda: route.finish_keys(chains, pending))
+        return route
 
 
 # Blocks keyed past what the gateway remembers before a deferred decision (route's

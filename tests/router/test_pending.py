@@ -78,3 +78,22 @@ def test_extending_a_route_continues_its_chain_and_counts_towards_capacity() -> 
     pending.drop(other)
     pending.extend(other, [10])  # a route that is gone stays gone
     assert pending.blocks == 0 and len(pending) == 0
+
+
+def test_an_unfinished_route_is_finished_by_the_first_request_sharing_its_last_key() -> None:
+    pending = PendingChains(ttl_s=10.0)
+    finished: list[str] = []
+    a = pending.add("m", "r0", [1, 2], now=0.0,
+                    unfinished=lambda: (finished.append("a"), pending.extend(a, [3, 4])))
+    dropped = pending.add("m", "r1", [7, 8], now=0.0, unfinished=lambda: finished.append("x"))
+    pending.drop(dropped)  # a route that is gone is never finished
+    assert not pending.finish_overlapping([1, 9])  # shares block 1 only: not the probe's end
+    assert not pending.finish_overlapping([7, 8, 9])
+    assert pending.finish_overlapping([1, 2, 5])
+    assert finished == ["a"]
+    assert pending.matches("m", [1, 2, 3, 4], ["r0"], now=1.0) == {"r0": 4}
+    assert not pending.finish_overlapping([1, 2, 5])  # once only
+    # Expiry forgets the callback as well.
+    pending.add("m", "r0", [5, 6], now=0.0, unfinished=lambda: finished.append("late"))
+    pending.add("m", "r2", [9], now=20.0)
+    assert not pending.finish_overlapping([5, 6]) and finished == ["a"]

@@ -440,3 +440,34 @@ async def test_a_probe_held_whole_is_keyed_and_looked_up_in_full_before_deciding
     assert route.matches == {"r2": 150} and route.decision.replica_id == "r2"
     assert route.predicted_for("r2") == 150 * 16
     assert p.pending is not None and p.pending.blocks == 50
+
+
+async def test_a_burst_over_one_new_prefix_sees_the_first_requests_whole_chain_pending() -> None:
+    # Two requests share a new 150-block prefix and are both decided before the first
+    # is sent (a burst). The first was decided on a probe; the second, sharing it,
+    # keys the first's rest, so it sees all 150 blocks pending where the first went,
+    # not just the probe: the same prediction as with every key up front.
+    shared = list(range(16 * 150))
+    first, second = [*shared, *range(9000, 9000 + 16 * 3)], [*shared, *range(7000, 7100)]
+    outcomes = []
+    for defer in (True, False):
+        fleet = replicas(3)
+        p = RoutingPipeline(tokenizers={}, chains=ChainCache(), index=MemoryIndex(),
+                            policy=build_policy(PolicyConfig(seed=1, tolerance=0.0)),
+                            index_deadline_s=1.0, pending=PendingChains(ttl_s=10.0))
+        a = await p.route(parse_body(completion(first), "completions"), fleet,
+                          time.monotonic(), tenant="t", cache_salt=None, reserve=True,
+                          defer_keys=defer)
+        assert a.prompt.complete is not defer
+        b = await p.route(parse_body(completion(second), "completions"), fleet,
+                          time.monotonic(), tenant="t", cache_salt=None, reserve=True,
+                          defer_keys=defer)
+        assert a.prompt.complete and b.prompt.complete  # the second finished the first
+        outcomes.append((a.decision.replica_id, b.decision.replica_id,
+                         b.decision.predicted_cached))
+        assert b.decision.predicted_cached[a.decision.replica_id] == 150 * 16
+        assert p.pending is not None
+        held = p.pending.blocks
+        a.finish_keys(p.chains, p.pending)  # its own send, later: nothing left to do
+        assert p.pending.blocks == held
+    assert outcomes[0] == outcomes[1]
