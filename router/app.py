@@ -106,7 +106,10 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     # No connection limit: admission control bounds concurrency, and a pool limit here
     # would queue requests invisibly, outside every deadline.
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
-    gw.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    # No cookie jar: this one session carries every tenant's requests, so a cookie a
+    # replica (or an ingress in front of one) set for one would go with the next's.
+    gw.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                       cookie_jar=aiohttp.DummyCookieJar())
     yield
     await gw.session.close()
 
