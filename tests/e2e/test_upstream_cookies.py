@@ -63,5 +63,6 @@ async def test_a_cookie_a_replica_sets_is_not_sent_with_another_tenants_request(
         reply = await gw.post("/v1/completions", {"model": "m", "prompt": [11] * 40,
                                                   "max_tokens": 1}, key=key)
         assert reply.status == 200, reply.body
+        assert "set-cookie" not in reply.headers  # nor is it relayed to the client
     assert len(seen) == 3
     assert seen == [None, None, None]
