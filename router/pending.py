@@ -69,17 +69,12 @@ class PendingChains:
         self._next += 1
         if not keys or self.ttl_s <= 0:
             return handle
-        route = _Route(model, replica_id, tuple(keys), now + self.ttl_s)
+        route = _Route(model, replica_id, (), now + self.ttl_s)
         if unfinished is not None:
-            route.unfinished_at = route.keys[-1]
+            route.unfinished_at = keys[-1]
             self._unfinished[route.unfinished_at] = unfinished
         self._routes[handle] = route
-        held = self._held.setdefault((model, replica_id), {})
-        for k in route.keys:
-            held[k] = held.get(k, 0) + 1
-        self._blocks += len(route.keys)
-        while self._blocks > self.capacity_blocks and self._routes:
-            self._remove(next(iter(self._routes)))
+        self._hold(route, keys)
         return handle
 
     def extend(self, handle: int, keys: Sequence[int]) -> None:
@@ -91,10 +86,14 @@ class PendingChains:
         if route.unfinished_at is not None:
             self._unfinished.pop(route.unfinished_at, None)
             route.unfinished_at = None
-        if not keys:
-            return
+        if keys:
+            self._hold(route, keys)
+
+    def _hold(self, route: _Route, keys: Sequence[int]) -> None:
+        """Add `keys` to a live route's chain, then keep within capacity_blocks (oldest
+        routes first out, this one included if it alone is over)."""
         route.keys += tuple(keys)
-        held = self._held[(route.model, route.replica_id)]
+        held = self._held.setdefault((route.model, route.replica_id), {})
         for k in keys:
             held[k] = held.get(k, 0) + 1
         self._blocks += len(keys)
