@@ -65,6 +65,7 @@ from router.shared_segments import SharedSegments
 from router.shared_work import SharedWork
 from router.tenants import TenantRegistry
 from router.tokenize import PromptTokenizer
+from router.upstream_http import UpstreamPool
 
 # serve.py and the end-to-end tests reach the request id and the gateway through here.
 __all__ = ["GATEWAY", "REQUEST_ID", "Gateway", "build_app", "replica_sources", "running_gateway"]
@@ -110,7 +111,11 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     # replica (or an ingress in front of one) set for one would go with the next's.
     gw.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                        cookie_jar=aiohttp.DummyCookieJar())
+    # Routed requests have a client of their own (router/upstream_http.py); it sends no
+    # cookies either.
+    gw.upstream = UpstreamPool(keepalive_s=30.0)
     yield
+    gw.upstream.close()
     await gw.session.close()
 
 
@@ -169,7 +174,9 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
         index_deadline_s=gw.config.index.deadline_ms / 1000.0, executor=gw.executor,
         pending=PendingChains(ttl_s=gw.config.policy.pending_ttl_s), clock=fleet.now,
         shared=_shared_work(gw, fleet), segments=_shared_segments(gw))
-    gw.forwarder = Forwarder(gw.session, fleet, gw.config.proxy, gw.metrics, gw.rng)
+    assert gw.upstream is not None
+    gw.forwarder = Forwarder(gw.session, gw.upstream, fleet, gw.config.proxy, gw.metrics,
+                             gw.rng)
     admission = Admission.from_config(gw.config.limits)
     gw.admission = admission
     gw.arrival = ArrivalOrder() if gw.config.proxy.route_in_arrival_order else None

@@ -34,6 +34,7 @@ from router.request import ClientError
 from router.routing import RoutingPipeline
 from router.tenants import Tenant, TenantError, TenantRegistry, api_key_from_headers
 from router.tokenize import PromptTokenizer
+from router.upstream_http import UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class Gateway:
     rng: random.Random
     executor: ThreadPoolExecutor | None = None
     session: aiohttp.ClientSession | None = None
+    upstream: UpstreamPool | None = None  # routed requests' connections (upstream_http)
     tokenizers: dict[str, PromptTokenizer] = field(default_factory=dict)
     index: PrefixIndex | None = None
     fleet: Fleet | None = None

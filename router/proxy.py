@@ -42,7 +42,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from aiohttp.abc import AbstractStreamWriter
 
 from router.config import ProxyConfig
 from router.metrics import GatewayMetrics
@@ -50,14 +49,16 @@ from router.replicas import Fleet, Replica
 from router.request import error_payload
 from router.suspects import SuspectList, Suspicion
 from router.upstream import ProxyOutcome, SSEReader, StreamState, UpstreamRequest, event_data
+from router.upstream_http import (
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamPool,
+    UpstreamResponse,
+)
 
 log = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
-# aiohttp >= 3.10 tells a connect timeout apart; before, ServerTimeoutError (no read
-# timeout is set here, so it can only mean connect).
-_CONNECT_TIMEOUT: type[Exception] = getattr(aiohttp, "ConnectionTimeoutError",
-                                            aiohttp.ServerTimeoutError)
 _MAX_ERROR_BODY = 64 * 1024
 
 
@@ -113,9 +114,13 @@ class UpstreamFailure(Exception):
 class Forwarder:
     """Sends a routed request to the ranked replicas in turn and relays the answer."""
 
-    def __init__(self, session: aiohttp.ClientSession, fleet: Fleet, settings: ProxyConfig,
-                 metrics: GatewayMetrics, rng: random.Random | None = None) -> None:
+    def __init__(self, session: aiohttp.ClientSession, pool: UpstreamPool, fleet: Fleet,
+                 settings: ProxyConfig, metrics: GatewayMetrics,
+                 rng: random.Random | None = None) -> None:
+        # Routed requests go through `pool` (router/upstream_http.py says why); the
+        # health probe of a suspect replica through the session, as every other call.
         self._session = session
+        self._pool = pool
         self._fleet = fleet
         self.settings = settings
         self._metrics = metrics
@@ -237,8 +242,6 @@ class Forwarder:
                        outcome: ProxyOutcome, headers: dict[str, str],
                        ) -> tuple[web.StreamResponse, ProxyOutcome]:
         s = self.settings
-        timeout = aiohttp.ClientTimeout(total=None, connect=s.connect_timeout_s,
-                                        sock_connect=s.connect_timeout_s)
         if up.stream:
             deadline = s.first_token_timeout_s
         else:
@@ -250,31 +253,25 @@ class Forwarder:
         if work is None:
             prefill_s, predicted_ttft_s = up.predicted_work.get(replica.replica_id, (0.0, 0.0))
             work = replica.work.begin(self._fleet.now(), prefill_s, predicted_ttft_s, up.stream)
-        resp: aiohttp.ClientResponse | None = None
-        handed_over = False
+        resp: UpstreamResponse | None = None
         try:
             state = StreamState(up, outcome)
             held: list[bytes] = []
             reader: SSEReader | None = None
             try:
                 async with asyncio.timeout(deadline):
-                    if up.payload is not None:
-                        data = up.payload if up.on_sent is None else \
-                            _SentPayload(up.payload, up.on_sent)
-                        resp = await self._session.post(
-                            replica.base_url + up.path, data=data, headers=up.headers,
-                            timeout=timeout)
-                    else:
-                        resp = await self._session.post(
-                            replica.base_url + up.path, json=up.body, headers=up.headers,
-                            timeout=timeout)
+                    body = up.payload if up.payload is not None else \
+                        json.dumps(up.body).encode()
+                    resp = await self._pool.post(
+                        replica.base_url, up.path, body, up.headers,
+                        connect_timeout_s=s.connect_timeout_s, on_sent=up.on_sent)
                     if resp.status >= 500:
-                        text = (await resp.content.read(_MAX_ERROR_BODY)).decode(errors="replace")
+                        text = (await resp.read(_MAX_ERROR_BODY)).decode(errors="replace")
                         raise _status_failure(resp.status, text)
                     if resp.status >= 400 or not up.stream:
                         payload = await resp.read()
                     else:
-                        reader = SSEReader(resp.content)
+                        reader = SSEReader(resp)
                         while True:
                             event = await reader.next_event()
                             if event is None:
@@ -292,13 +289,13 @@ class Forwarder:
                         # Its first token: the replica's prefill of it is done.
                         replica.work.first_byte(work, self._fleet.now())
             except TimeoutError as exc:
-                if isinstance(exc, _CONNECT_TIMEOUT):
+                if isinstance(exc, UpstreamConnectTimeout):
                     raise UpstreamFailure("connect", "connect timed out", 504) from exc
                 # Connected but silent (no headers, or no content yet): a stalled replica,
                 # e.g. one that is paused or whose engine is stuck.
                 raise UpstreamFailure("first_token_timeout",
                                       f"no first token within {deadline:.1f}s", 504) from exc
-            except aiohttp.ClientConnectorError as exc:
+            except UpstreamConnectError as exc:
                 raise UpstreamFailure("connect", str(exc)) from exc
             except (aiohttp.ClientError, ConnectionError) as exc:
                 raise UpstreamFailure("reset", f"{type(exc).__name__}: {exc}",
@@ -311,32 +308,30 @@ class Forwarder:
                 outcome.first_byte_at = time.perf_counter()
                 return self._plain_response(resp, payload, state, headers), outcome
             response = web.StreamResponse(status=resp.status, headers={
-                "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+                "Content-Type": resp.headers.get("content-type", "text/event-stream"),
                 "Cache-Control": "no-cache", **headers})
             await self._relay(request, response, resp, reader, held, state, replica)
-            handed_over = True
             return response, outcome
         finally:
             replica.inflight -= 1
             replica.work.end(work, self._fleet.now())
-            if resp is not None and not (handed_over and outcome.completed):
-                # Dropping the connection is how vLLM learns to abort the request.
-                resp.close()
-            elif resp is not None:
+            if resp is not None:
+                # An answer read to its end leaves its connection for the next request;
+                # one cut short drops it, which is how vLLM learns to abort the request.
                 resp.release()
             if state.saw_token_ids:
                 outcome.output_token_ids = state.token_ids
 
-    def _plain_response(self, resp: aiohttp.ClientResponse, payload: bytes,
+    def _plain_response(self, resp: UpstreamResponse, payload: bytes,
                         state: StreamState, headers: dict[str, str]) -> web.Response:
         body = payload
         if resp.status < 400:
             body = state.absorb_body(payload)
         return web.Response(status=resp.status, body=body, headers={
-            "Content-Type": resp.headers.get("Content-Type", "application/json"), **headers})
+            "Content-Type": resp.headers.get("content-type", "application/json"), **headers})
 
     async def _relay(self, request: web.Request, response: web.StreamResponse,
-                     resp: aiohttp.ClientResponse, reader: SSEReader, held: list[bytes],
+                     resp: UpstreamResponse, reader: SSEReader, held: list[bytes],
                      state: StreamState, replica: Replica) -> None:
         """Send the held events, then every further event as it arrives."""
         outcome = state.outcome
@@ -451,20 +446,6 @@ class IdleWatch:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-
-
-class _SentPayload(aiohttp.BytesPayload):
-    """A request body that calls `on_sent` (on the loop, once it is free) after aiohttp
-    has written it to the connection: the replica is working on the request by then."""
-
-    def __init__(self, value: bytes, on_sent: Callable[[], None]) -> None:
-        super().__init__(value)
-        self._on_sent = on_sent
-
-    async def write_with_length(self, writer: AbstractStreamWriter,
-                                content_length: int | None) -> None:
-        await super().write_with_length(writer, content_length)
-        asyncio.get_running_loop().call_soon(self._on_sent)
 
 
 def _status_failure(status: int, text: str) -> UpstreamFailure:

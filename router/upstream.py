@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import msgspec
@@ -78,10 +78,17 @@ class ProxyOutcome:
     failures: list[tuple[str, str]] = field(default_factory=list)  # (replica, reason)
 
 
+class ByteStream(Protocol):
+    """A response body read as it arrives (router/upstream_http.py's UpstreamResponse,
+    aiohttp's StreamReader)."""
+
+    async def readany(self) -> bytes: ...
+
+
 class SSEReader:
     """Splits an upstream byte stream into SSE events (each ending in a blank line)."""
 
-    def __init__(self, content: aiohttp.StreamReader) -> None:
+    def __init__(self, content: ByteStream) -> None:
         self._content = content
         self._buf = b""
 

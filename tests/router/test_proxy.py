@@ -27,6 +27,7 @@ from router.replicas import (
 )
 from router.suspects import SuspectList, request_fingerprint
 from router.tenants import derive_salt
+from router.upstream_http import UpstreamPool
 
 Handler = Callable[["Upstream", web.Request], Awaitable[web.StreamResponse]]
 
@@ -203,6 +204,12 @@ async def silent_after_first_token(up: Upstream, request: web.Request) -> web.St
     return resp
 
 
+def _closer(pool: UpstreamPool) -> Callable[[], Awaitable[None]]:
+    async def close() -> None:
+        pool.close()
+    return close
+
+
 @dataclass
 class Harness:
     """A gateway-shaped aiohttp app whose one route forwards to the upstreams in order."""
@@ -212,6 +219,7 @@ class Harness:
     forwarder: Forwarder
     metrics: GatewayMetrics
     session: aiohttp.ClientSession
+    pool: UpstreamPool
     url: str
     outcomes: list[Any]
 
@@ -240,7 +248,10 @@ async def make_harness() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
         metrics = GatewayMetrics()
         defaults: dict[str, Any] = {"connect_timeout_s": 1.0, "first_token_timeout_s": 0.5,
                                     "idle_timeout_s": 2.0, "backoff_base_s": 0.001}
-        forwarder = Forwarder(session, fleet, ProxyConfig(**{**defaults, **settings}), metrics)
+        pool = UpstreamPool()
+        cleanups.append(_closer(pool))
+        forwarder = Forwarder(session, pool, fleet, ProxyConfig(**{**defaults, **settings}),
+                              metrics)
         outcomes: list[Any] = []
 
         async def handle(request: web.Request) -> web.StreamResponse:
@@ -265,7 +276,7 @@ async def make_harness() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         cleanups.append(runner.cleanup)
-        return Harness(upstreams, fleet, forwarder, metrics, session,
+        return Harness(upstreams, fleet, forwarder, metrics, session, pool,
                        f"http://127.0.0.1:{port}/v1/chat/completions", outcomes)
 
     yield build
@@ -306,6 +317,19 @@ async def test_stream_passes_through_and_strips_usage_the_client_did_not_ask_for
 
     status, _, text = await post(h, {"stream": True, "want_usage": True})
     assert events(text)[-2] == USAGE  # kept when the client asked for usage
+
+
+async def test_answers_read_to_their_end_leave_their_connection_for_the_next_request(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    h = await make_harness(ok_json)
+    for _ in range(3):
+        status, _, text = await post(h, {})
+        assert status == 200, text
+    h.upstreams[0].behaviour = ok_stream
+    for _ in range(2):
+        status, _, text = await post(h, {"stream": True})
+        assert status == 200 and events(text)[-1] == "[DONE]"
+    assert h.pool.connections_made == 1
 
 
 async def test_events_that_arrive_together_are_relayed_with_usage_and_token_ids_handled(
