@@ -338,8 +338,8 @@ class Forwarder:
         try:
             await response.prepare(request)
             outcome.first_byte_at = time.perf_counter()
-            for event in held:
-                await response.write(event)
+            if held:  # the role event and the first token: one write, one packet
+                await response.write(b"".join(held))
             async for event in self._events_after_commit(reader, state, replica):
                 await response.write(event)
             outcome.completed = outcome.error is None
