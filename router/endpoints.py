@@ -86,7 +86,7 @@ async def _relay(gw: Gateway, request: web.Request, replica: Replica, path: str,
     if payload is not None:
         headers["Content-Type"] = "application/json"
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=gw.config.proxy.connect_timeout_s)
-    replica.inflight += 1
+    replica.start_request()
     try:
         async with gw.session.request(request.method, f"{replica.base_url}{path}",
                                       data=payload, headers=headers, timeout=timeout) as resp:
@@ -114,7 +114,7 @@ async def _relay(gw: Gateway, request: web.Request, replica: Replica, path: str,
         return json_error(502, f"replica {replica.replica_id} failed: {type(exc).__name__}",
                           "upstream_error")
     finally:
-        replica.inflight -= 1
+        replica.end_request()
 
 
 async def handle_version(request: web.Request) -> web.StreamResponse:

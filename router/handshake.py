@@ -30,10 +30,12 @@ Everything here but `run_handshake` is pure (no aiohttp: it is imported for type
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -147,6 +149,7 @@ async def run_handshake(
     vocab_size: int,
     probe_every_s: float = 1.0,
     request_timeout_s: float = 10.0,
+    sending: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
 ) -> HandshakeResult:
     """Probe the replica at `replica_url` and compare the keys its events report with ours.
 
@@ -155,7 +158,9 @@ async def run_handshake(
     observation or `timeout_s` passes. A fresh probe goes out every `probe_every_s`: a
     subscriber that joined after a probe's event was published (ZMQ PUB drops it) sees
     the next one. `config` is what the gateway assumes for this replica; `vocab_size`
-    bounds the probe's token ids.
+    bounds the probe's token ids. Each probe's POST runs inside `sending()`: the fleet
+    counts it as a request of ours in flight there, so a scrape that catches it does
+    not take it for another client's.
     """
     import aiohttp  # here, not at the top: the rest of this module stays pure
 
@@ -174,8 +179,9 @@ async def run_handshake(
             timeout = aiohttp.ClientTimeout(total=max(0.1, min(request_timeout_s,
                                                                deadline - now)))
             try:
-                async with session.post(url, json=body, timeout=timeout) as resp:
-                    text = await resp.text()
+                with sending():
+                    async with session.post(url, json=body, timeout=timeout) as resp:
+                        text = await resp.text()
                     if resp.status == 200:
                         sent.append(probe)
                     else:

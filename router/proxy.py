@@ -246,7 +246,7 @@ class Forwarder:
             deadline = s.first_token_timeout_s
         else:
             deadline = s.first_token_timeout_s + s.idle_timeout_s * max(1, up.max_tokens or 1)
-        replica.inflight += 1
+        replica.start_request()
         # The routing decision already entered this request in its chosen replica's
         # account (so that the next decision saw it); a failover attempt enters its own.
         work = up.reserved.pop(replica.replica_id, None)
@@ -313,7 +313,7 @@ class Forwarder:
             await self._relay(request, response, resp, reader, held, state, replica)
             return response, outcome
         finally:
-            replica.inflight -= 1
+            replica.end_request()
             replica.work.end(work, self._fleet.now())
             if resp is not None:
                 # An answer read to its end leaves its connection for the next request;

@@ -25,7 +25,7 @@ import logging
 import random
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -72,6 +72,9 @@ class Replica:
     ejections: int = 0
     ejected_until: float = 0.0
     inflight: int = 0
+    # Requests of ours sent there, ever: a scrape counts those begun while it was in
+    # flight as ours (see Fleet._scrape_one).
+    begun: int = 0
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
@@ -118,6 +121,23 @@ class Replica:
         total = self.inflight + external
         waiting = min(int(self.waiting), total)
         return total - waiting, waiting
+
+    def start_request(self) -> None:
+        """One of our requests goes to the replica now (until end_request)."""
+        self.inflight += 1
+        self.begun += 1
+
+    def end_request(self) -> None:
+        self.inflight -= 1
+
+    @contextlib.contextmanager
+    def in_flight(self) -> Iterator[None]:
+        """start_request ... end_request around a block."""
+        self.start_request()
+        try:
+            yield
+        finally:
+            self.end_request()
 
     def external(self) -> tuple[int, int]:
         """(running, waiting) of other clients' requests there, at the last scrape: what
@@ -341,6 +361,12 @@ class Fleet:
 
     async def _scrape_one(self, replica: Replica) -> None:
         timeout = aiohttp.ClientTimeout(total=self.health.timeout_s)
+        # Which of our requests the gauges may include: those in flight when the scrape
+        # was sent and those begun before its answer came. Our count when the answer is
+        # read instead misses any that ended in between, and each would show as another
+        # client's request there until the next scrape: a replica looking busy to the
+        # burst that decides where sessions go.
+        ours_before, begun_before = replica.inflight, replica.begun
         try:
             async with self._session.get(f"{replica.base_url}/metrics", timeout=timeout) as resp:
                 if resp.status != 200:
@@ -356,7 +382,7 @@ class Fleet:
             if metric in values:
                 setattr(replica, attr, values[metric])
         replica.scraped_at = self._clock()
-        replica.inflight_at_scrape = replica.inflight
+        replica.inflight_at_scrape = ours_before + (replica.begun - begun_before)
 
     @staticmethod
     def _forget_scrape(replica: Replica) -> None:
@@ -436,7 +462,8 @@ async def verify_keys(session: aiohttp.ClientSession, index: PrefixIndex, replic
     """
     verdict = await run_handshake(
         session, replica.base_url, model, replica.target.hash_config, index,
-        timeout_s=within_s, vocab_size=_PROBE_VOCAB, probe_every_s=probe_every_s)
+        timeout_s=within_s, vocab_size=_PROBE_VOCAB, probe_every_s=probe_every_s,
+        sending=replica.in_flight)
     # The seed is a secret for the xxhash algorithms (knowing it lets a client craft
     # colliding block keys): this text reaches /ready and the log, so any value is cut.
     detail = redact_seed(verdict.detail, replica.target.hash_config.seed)

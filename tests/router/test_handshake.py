@@ -124,6 +124,30 @@ async def test_run_handshake_says_when_no_events_reach_the_index(sim: RunningRep
     assert 1.5 <= elapsed < 5.0
 
 
+async def test_a_probe_counts_as_a_request_in_flight_while_it_is_sent(
+        sim: RunningReplica) -> None:
+    """A scrape that catches the probe at the replica must not take it for another
+    client's request (which would price that replica's first cold prefills as if a
+    request waited there)."""
+    counts: list[int] = []
+
+    @contextlib.contextmanager
+    def sending() -> Iterator[None]:
+        counts.append(1)
+        try:
+            yield
+        finally:
+            counts.append(-1)
+
+    async with aiohttp.ClientSession() as session:
+        result = await run_handshake(session, sim.url, SIM_MODEL, HashConfig("sha256", 32, "0"),
+                                     MemoryIndex(), timeout_s=0.6, vocab_size=1000,
+                                     probe_every_s=0.25, sending=sending)
+    assert result.mismatch == "no_events"  # nothing feeds this index
+    assert len(counts) >= 2 and counts[::2] == [1] * (len(counts) // 2)
+    assert sum(counts) == 0  # each probe's count ended with it
+
+
 async def test_run_handshake_says_when_the_probe_cannot_be_sent() -> None:
     closed = f"http://127.0.0.1:{free_port()}"
     async with aiohttp.ClientSession() as session:

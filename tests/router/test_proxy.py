@@ -538,6 +538,55 @@ def test_scraped_load_counts_other_clients_and_our_fresh_inflight() -> None:
     assert sum(replica.outstanding()) == 16
 
 
+async def test_a_request_of_ours_that_ends_while_a_scrape_is_answered_is_not_another_clients(
+        ) -> None:
+    """The replica renders its gauges with our request running; the request ends before
+    the gateway reads the answer. Counted against our in-flight requests at that later
+    moment, it would show as another client's request until the next scrape."""
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def metrics(request: web.Request) -> web.Response:
+        entered.set()
+        await release.wait()
+        return web.Response(text='vllm:num_requests_running{model_name="m"} 1.0\n'
+                                 'vllm:num_requests_waiting{model_name="m"} 0.0\n')
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            source = ReplicaSource(name="r", url=f"http://127.0.0.1:{port}", models=("m",),
+                                   hash_config=HashConfig())
+            fleet = Fleet([source], HealthConfig(), session)
+            await fleet.refresh_discovery()
+            replica = fleet.get("r")
+            assert replica is not None
+            replica.healthy = True
+            replica.start_request()
+            scrape = asyncio.create_task(fleet.scrape())
+            await entered.wait()
+            replica.end_request()  # answered while the gauges were on their way
+            release.set()
+            await scrape
+            assert replica.running == 1.0
+            assert replica.external() == (0, 0)
+            # A request begun while a scrape is out may be in its gauges too.
+            entered.clear()
+            release.clear()
+            scrape = asyncio.create_task(fleet.scrape())
+            await entered.wait()
+            with replica.in_flight():
+                release.set()
+                await scrape
+            assert replica.external() == (0, 0)
+    finally:
+        await runner.cleanup()
+
+
 async def test_gateway_injects_the_tenant_salt_and_forwards_tracing_headers() -> None:
     """The whole app in front of a loopback upstream that records what it was sent."""
     up = Upstream(ok_stream, "replica")
