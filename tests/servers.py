@@ -7,10 +7,27 @@ the tree can shadow (`from servers import RedisServer, free_port`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
+
+from aiohttp import web
 
 from replica.processes import RedisServer, free_port, wait_for_port, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 
-__all__ = ["REPO", "RedisServer", "free_port", "wait_for_port", "wait_until"]
+__all__ = ["REPO", "RedisServer", "free_port", "serving", "wait_for_port", "wait_until"]
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """`app` served on a free loopback port for the block; yields its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()

@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from servers import free_port, serving
 
-from replica.fleet import free_port
 from router.app import build_app, running_gateway
 from router.config import HealthConfig, ProxyConfig, build_config
 from router.hashing import HashConfig
@@ -553,38 +553,30 @@ async def test_a_request_of_ours_that_ends_while_a_scrape_is_answered_is_not_ano
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        async with aiohttp.ClientSession() as session:
-            source = ReplicaSource(name="r", url=f"http://127.0.0.1:{port}", models=("m",),
-                                   hash_config=HashConfig())
-            fleet = Fleet([source], HealthConfig(), session)
-            await fleet.refresh_discovery()
-            replica = fleet.get("r")
-            assert replica is not None
-            replica.healthy = True
-            replica.start_request()
-            scrape = asyncio.create_task(fleet.scrape())
-            await entered.wait()
-            replica.end_request()  # answered while the gauges were on their way
+    async with serving(app) as url, aiohttp.ClientSession() as session:
+        source = ReplicaSource(name="r", url=url, models=("m",), hash_config=HashConfig())
+        fleet = Fleet([source], HealthConfig(), session)
+        await fleet.refresh_discovery()
+        replica = fleet.get("r")
+        assert replica is not None
+        replica.healthy = True
+        replica.start_request()
+        scrape = asyncio.create_task(fleet.scrape())
+        await entered.wait()
+        replica.end_request()  # answered while the gauges were on their way
+        release.set()
+        await scrape
+        assert replica.running == 1.0
+        assert replica.external() == (0, 0)
+        # A request begun while a scrape is out may be in its gauges too.
+        entered.clear()
+        release.clear()
+        scrape = asyncio.create_task(fleet.scrape())
+        await entered.wait()
+        with replica.in_flight():
             release.set()
             await scrape
-            assert replica.running == 1.0
-            assert replica.external() == (0, 0)
-            # A request begun while a scrape is out may be in its gauges too.
-            entered.clear()
-            release.clear()
-            scrape = asyncio.create_task(fleet.scrape())
-            await entered.wait()
-            with replica.in_flight():
-                release.set()
-                await scrape
-            assert replica.external() == (0, 0)
-    finally:
-        await runner.cleanup()
+        assert replica.external() == (0, 0)
 
 
 async def test_gateway_injects_the_tenant_salt_and_forwards_tracing_headers() -> None:

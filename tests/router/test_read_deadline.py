@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 from aiohttp import web
+from servers import free_port, serving
 
-from replica.fleet import free_port
 from router.app import build_app, running_gateway
 from router.config import ConfigError, build_config
 
@@ -58,12 +58,8 @@ async def replica_url() -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_get("/health", _ok)
     app.router.add_post("/v1/completions", _slow_stream)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 def _config(replica_url: str, port: int, **listen: object) -> dict[str, object]:

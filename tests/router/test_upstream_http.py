@@ -12,8 +12,8 @@ import pytest
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from servers import free_port, serving
 
-from replica.fleet import free_port
 from router.upstream_http import (
     MAX_HEAD_BYTES,
     ResponseParser,
@@ -200,12 +200,8 @@ async def echo_app() -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/base/echo", echo)
     app.router.add_post("/stream", stream)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 async def test_requests_reach_the_server_whole_and_reuse_one_connection(echo_app: str) -> None:
