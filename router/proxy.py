@@ -310,7 +310,7 @@ class Forwarder:
             response = web.StreamResponse(status=resp.status, headers={
                 "Content-Type": resp.headers.get("content-type", "text/event-stream"),
                 "Cache-Control": "no-cache", **headers})
-            await self._relay(request, response, resp, reader, held, state, replica)
+            await self._relay(request, response, reader, held, state, replica)
             return response, outcome
         finally:
             replica.end_request()
@@ -331,8 +331,8 @@ class Forwarder:
             "Content-Type": resp.headers.get("content-type", "application/json"), **headers})
 
     async def _relay(self, request: web.Request, response: web.StreamResponse,
-                     resp: UpstreamResponse, reader: SSEReader, held: list[bytes],
-                     state: StreamState, replica: Replica) -> None:
+                     reader: SSEReader, held: list[bytes], state: StreamState,
+                     replica: Replica) -> None:
         """Send the held events, then every further event as it arrives."""
         outcome = state.outcome
         try:
