@@ -8,6 +8,7 @@ the tree can shadow (`from servers import RedisServer, free_port`).
 from __future__ import annotations
 
 import contextlib
+import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -21,13 +22,15 @@ __all__ = ["REPO", "RedisServer", "free_port", "serving", "wait_for_port", "wait
 
 
 @contextlib.asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
-    """`app` served on a free loopback port for the block; yields its base URL."""
+async def serving(app: web.Application,
+                  ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[str]:
+    """`app` served on a free loopback port for the block (over TLS with `ssl_context`);
+    yields its base URL."""
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=ssl_context).start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"{'https' if ssl_context else 'http'}://127.0.0.1:{port}"
     finally:
         await runner.cleanup()

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -341,3 +344,36 @@ async def test_a_header_that_would_split_the_request_is_refused(echo_app: str) -
     with pytest.raises(ValueError, match="line break"):
         await UpstreamPool().post(echo_app, "/base/echo", b"",
                                   {"traceparent": "00-1\r\nX-Injected: 1"})
+
+
+@pytest.fixture
+def tls_files(tmp_path: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+async def test_an_https_replica_is_reached_over_tls_and_its_certificate_checked(
+        tls_files: tuple[Path, Path]) -> None:
+    cert, key = tls_files
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+
+    async def echo(request: web.Request) -> web.Response:
+        return web.Response(body=await request.read())
+
+    app = web.Application()
+    app.router.add_post("/echo", echo)
+    async with serving(app, server_tls) as url:
+        trusting = UpstreamPool(ssl_context=ssl.create_default_context(cafile=str(cert)))
+        resp = await trusting.post(url, "/echo", b"over tls", {})
+        assert (resp.status, await resp.read()) == (200, b"over tls")
+        resp.release()
+        trusting.close()
+        # The system's trust store does not know this certificate: no connection.
+        with pytest.raises(UpstreamConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            await UpstreamPool().post(url, "/echo", b"", {}, connect_timeout_s=5)
