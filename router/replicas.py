@@ -155,7 +155,11 @@ class Replica:
         return self.healthy and not self.ejected(now) and not self.removed
 
     def describe(self, now: float) -> dict[str, object]:
-        """The replica's state as /ready reports it."""
+        """The replica's state as /ready reports it, with what cache_aware weighs there:
+        our queued prefill, the TTFT bias learned from its answers, and the load the last
+        scrape saw beyond our own requests (a replica the policy avoids says why here)."""
+        work = self.work.view(now)
+        external_running, external_waiting = self.external()
         if self.ejected(now):
             state = "ejected"
         elif self.healthy:
@@ -168,6 +172,10 @@ class Replica:
             "verification_detail": self.verification_detail, "mode": self.mode,
             "models": list(self.target.models), "inflight": self.inflight,
             "running": self.running, "waiting": self.waiting, "kv_usage": self.kv_usage,
+            "queued_prefill_s": round(work.wait_s, 4), "pending": work.pending,
+            "decoding": work.decoding, "ttft_bias": round(work.bias, 3),
+            "bias_samples": work.samples, "external_running": external_running,
+            "external_waiting": external_waiting,
             "consecutive_failures": self.consecutive_failures, "last_error": self.last_error,
             "ejected_for_s": round(max(0.0, self.ejected_until - now), 3),
         }

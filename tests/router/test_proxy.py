@@ -579,6 +579,25 @@ async def test_a_request_of_ours_that_ends_while_a_scrape_is_answered_is_not_ano
         assert replica.external() == (0, 0)
 
 
+def test_ready_shows_what_the_policy_weighs_on_each_replica() -> None:
+    source = ReplicaSource(name="r", url="http://127.0.0.1:1", models=("m",),
+                           hash_config=HashConfig())
+    replica = Replica(target=source.target(), running=3, waiting=2, inflight_at_scrape=1)
+    idle = replica.describe(0.0)
+    assert (idle["queued_prefill_s"], idle["pending"], idle["ttft_bias"],
+            idle["bias_samples"]) == (0.0, 0, 1.0, 0)
+    assert (idle["external_running"], idle["external_waiting"]) == (2, 2)
+    # A streamed request predicted at 0.1 s answers in 0.2: the bias learns from it.
+    first = replica.work.begin(0.0, 0.1, 0.1, True)
+    second = replica.work.begin(0.0, 0.3, 0.4, True)
+    replica.work.first_byte(first, 0.2)
+    state = replica.describe(0.2)
+    assert state["pending"] == 1 and state["decoding"] == 1 and state["bias_samples"] == 1
+    assert state["ttft_bias"] == pytest.approx(2 ** 0.1, abs=1e-3)
+    assert state["queued_prefill_s"] == pytest.approx(0.3 * 2 ** 0.1, abs=1e-3)
+    replica.work.end(second, 0.3)
+
+
 async def test_gateway_injects_the_tenant_salt_and_forwards_tracing_headers() -> None:
     """The whole app in front of a loopback upstream that records what it was sent."""
     up = Upstream(ok_stream, "replica")
