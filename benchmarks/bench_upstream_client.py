@@ -102,7 +102,7 @@ def serve_proxy(port: int, upstream: str, client: str) -> None:
                     async for piece in up.content.iter_any():
                         await resp.write(piece)
             else:
-                answer = await pool.post(upstream, request.path, body, HEADERS)
+                answer = await pool.send("POST", upstream, request.path, body, HEADERS)
                 await resp.prepare(request)
                 while piece := await answer.readany():
                     await resp.write(piece)
@@ -136,7 +136,7 @@ async def via_aiohttp(session: aiohttp.ClientSession, url: str) -> float:
 async def via_pool(pool: UpstreamPool, url: str) -> float:
     started = time.perf_counter()
     first = 0.0
-    resp = await pool.post(url, "/v1/completions", BODY, HEADERS)
+    resp = await pool.send("POST", url, "/v1/completions", BODY, HEADERS)
     while await resp.readany():
         first = first or time.perf_counter() - started
     resp.release()

@@ -111,8 +111,8 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     # replica (or an ingress in front of one) set for one would go with the next's.
     gw.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                        cookie_jar=aiohttp.DummyCookieJar())
-    # Routed requests have a client of their own (router/upstream_http.py); it sends no
-    # cookies either.
+    # Client requests go upstream through a client of their own (router/upstream_http.py),
+    # which sends no cookies either.
     gw.upstream = UpstreamPool(keepalive_s=30.0)
     yield
     gw.upstream.close()

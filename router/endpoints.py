@@ -33,6 +33,7 @@ from router.replicas import Replica
 from router.request import ClientError, ParsedRequest, decode_body
 from router.routing import KnownTokens
 from router.tenants import ClientSaltError
+from router.upstream_http import UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -81,39 +82,41 @@ async def _relay(gw: Gateway, request: web.Request, replica: Replica, path: str,
                  payload: bytes | None, extra_headers: Mapping[str, str] | None = None,
                  ) -> web.StreamResponse:
     """Send the request to `replica` and hand its answer to the client as it comes."""
-    assert gw.session is not None
+    assert gw.upstream is not None
     headers = {"x-request-id": REQUEST_ID.get()}
     if payload is not None:
         headers["Content-Type"] = "application/json"
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=gw.config.proxy.connect_timeout_s)
     replica.start_request()
+    resp: UpstreamResponse | None = None
     try:
-        async with gw.session.request(request.method, f"{replica.base_url}{path}",
-                                      data=payload, headers=headers, timeout=timeout) as resp:
-            out_headers = {**_headers(gw, replica), **(extra_headers or {})}
-            content_type = resp.headers.get("Content-Type", "application/json")
-            if not content_type.startswith("text/event-stream"):
-                body = await resp.read()
-                return web.Response(status=resp.status, body=body,
-                                    headers={"Content-Type": content_type, **out_headers})
-            response = web.StreamResponse(status=resp.status, headers={
-                "Content-Type": content_type, "Cache-Control": "no-cache", **out_headers})
-            await response.prepare(request)
-            try:
-                async for chunk in resp.content.iter_any():
-                    await response.write(chunk)
-                await response.write_eof()
-            except (aiohttp.ClientError, OSError) as exc:
-                # The client left, or the replica broke off mid-stream: the answer has
-                # begun, so there is nothing to retry; leaving closes the upstream
-                # connection, which is how vLLM learns to abort.
-                log.info("%s stream from %s ended early: %s", path, replica.replica_id, exc)
-            return response
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        resp = await gw.upstream.send(request.method, replica.base_url, path, payload, headers,
+                                      connect_timeout_s=gw.config.proxy.connect_timeout_s)
+        out_headers = {**_headers(gw, replica), **(extra_headers or {})}
+        content_type = resp.headers.get("content-type", "application/json")
+        if not content_type.startswith("text/event-stream"):
+            body = await resp.read()
+            return web.Response(status=resp.status, body=body,
+                                headers={"Content-Type": content_type, **out_headers})
+        response = web.StreamResponse(status=resp.status, headers={
+            "Content-Type": content_type, "Cache-Control": "no-cache", **out_headers})
+        await response.prepare(request)
+        try:
+            while chunk := await resp.readany():
+                await response.write(chunk)
+            await response.write_eof()
+        except OSError as exc:
+            # The client left, or the replica broke off mid-stream: the answer has
+            # begun, so there is nothing to retry; leaving closes the upstream
+            # connection, which is how vLLM learns to abort.
+            log.info("%s stream from %s ended early: %s", path, replica.replica_id, exc)
+        return response
+    except (TimeoutError, OSError) as exc:
         log.warning("%s on %s failed: %s", path, replica.replica_id, exc)
         return json_error(502, f"replica {replica.replica_id} failed: {type(exc).__name__}",
                           "upstream_error")
     finally:
+        if resp is not None:
+            resp.release()  # kept when read to its end, else dropped
         replica.end_request()
 
 

@@ -118,7 +118,8 @@ class Forwarder:
                  settings: ProxyConfig, metrics: GatewayMetrics,
                  rng: random.Random | None = None) -> None:
         # Routed requests go through `pool` (router/upstream_http.py says why); the
-        # health probe of a suspect replica through the session, as every other call.
+        # health probe of a suspect replica through the session, as the gateway's own
+        # calls do.
         self._session = session
         self._pool = pool
         self._fleet = fleet
@@ -262,8 +263,8 @@ class Forwarder:
                 async with asyncio.timeout(deadline):
                     body = up.payload if up.payload is not None else \
                         json.dumps(up.body).encode()
-                    resp = await self._pool.post(
-                        replica.base_url, up.path, body, up.headers,
+                    resp = await self._pool.send(
+                        "POST", replica.base_url, up.path, body, up.headers,
                         connect_timeout_s=s.connect_timeout_s, on_sent=up.on_sent)
                     if resp.status >= 500:
                         text = (await resp.read(_MAX_ERROR_BODY)).decode(errors="replace")

@@ -1,8 +1,10 @@
-"""The HTTP/1.1 client that carries routed requests to replicas: a keep-alive pool of
-asyncio connections, each parsing its response as bytes arrive.
+"""The HTTP/1.1 client that carries client requests to replicas (routed completions,
+and the endpoints relayed as they are): a keep-alive pool of asyncio connections, each
+parsing its response as bytes arrive.
 
-Why not aiohttp's client, which the gateway uses everywhere else: on the forwarding
-path it costs more than it must, on every request.
+Why not aiohttp's client, which the gateway keeps for its own calls (health checks,
+scrapes, discovery, the hash handshake): on the forwarding path it costs more than it
+must, on every request.
 benchmarks/bench_upstream_client.py (2 cores, 5 interleaved rounds, medians [min..max]):
 against an upstream streaming 16 SSE events, the first byte after 0.16 [0.12..0.16] ms
 against aiohttp's 0.33 [0.30..0.34], 0.62x [0.38..0.80] of its CPU per request, 3.9k
@@ -11,7 +13,7 @@ pass-through proxy of an 8k-token-id body, +0.59 [+0.56..+0.61] ms to the first 
 against +0.88 [+0.79..+0.89]. aiohttp builds a request and a response object with
 multidicts, timers and tracing hooks, and on Python 3.11 writes the body from a task of
 its own one loop iteration later; a replica needs none of that, only the bytes.
-The proxy needs few features: POST with a known body, a response read as it
+The proxy needs few features: a request with a known body (or none), a response read as it
 comes (Content-Length, chunked or until close), keep-alive, a connect timeout and
 back-pressure. Every other deadline is the caller's (router/proxy.py).
 
@@ -366,14 +368,14 @@ class UpstreamPool:
         self._origins: dict[str, _Origin] = {}
         self.connections_made = 0
 
-    async def post(self, base_url: str, path: str, body: bytes, headers: Mapping[str, str],
-                   *, connect_timeout_s: float | None = None,
+    async def send(self, method: str, base_url: str, path: str, body: bytes | None,
+                   headers: Mapping[str, str], *, connect_timeout_s: float | None = None,
                    on_sent: Callable[[], None] | None = None) -> UpstreamResponse:
-        """POST `body` to base_url + path and return the answer once its head arrived.
-        `on_sent` is called (on the loop, once it is free) after the body was handed to
-        the connection."""
+        """Send `method` base_url + path with `body` (None: none) and return the answer
+        once its head arrived. `on_sent` is called (on the loop, once it is free) after
+        the request was handed to the connection."""
         origin = self._origin(base_url)
-        head = _request_head(origin, path, len(body), headers)
+        head = _request_head(method, origin, path, body, headers)
         loop = asyncio.get_running_loop()
         conn = self._reusable(origin, loop.time())
         if conn is None:
@@ -381,7 +383,7 @@ class UpstreamPool:
         parser = conn.parser = ResponseParser()
         assert conn.transport is not None
         try:
-            conn.transport.write(head + body)
+            conn.transport.write(head + body if body else head)
             if on_sent is not None:
                 loop.call_soon(on_sent)
             while not parser.head_done:
@@ -455,10 +457,11 @@ class UpstreamPool:
         conns.append(conn)
 
 
-def _request_head(origin: _Origin, path: str, length: int,
+def _request_head(method: str, origin: _Origin, path: str, body: bytes | None,
                   headers: Mapping[str, str]) -> bytes:
-    lines = [f"POST {origin.prefix}{path} HTTP/1.1\r\nHost: {origin.host_header}\r\n"
-             f"Content-Length: {length}\r\n"]
+    lines = [f"{method} {origin.prefix}{path} HTTP/1.1\r\nHost: {origin.host_header}\r\n"]
+    if body is not None:
+        lines.append(f"Content-Length: {len(body)}\r\n")
     for name, value in headers.items():
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name or ":" in name:
             # A header carried from a client must not start a header (or request) of its own.

@@ -189,7 +189,8 @@ async def echo_app() -> AsyncIterator[str]:
     """aiohttp's server: /echo answers what it got; /stream streams SSE events."""
     async def echo(request: web.Request) -> web.Response:
         body = await request.read()
-        return web.json_response({"path": request.path, "body": body.decode(),
+        return web.json_response({"method": request.method, "path": request.path,
+                                  "body": body.decode(),
                                   "headers": {k.lower(): v for k, v in request.headers.items()}})
 
     async def stream(request: web.Request) -> web.StreamResponse:
@@ -202,6 +203,7 @@ async def echo_app() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/base/echo", echo)
+    app.router.add_get("/base/echo", echo)
     app.router.add_post("/stream", stream)
     async with serving(app) as url:
         yield url
@@ -212,7 +214,7 @@ async def test_requests_reach_the_server_whole_and_reuse_one_connection(echo_app
     sent: list[int] = []
     try:
         for i in range(3):
-            resp = await pool.post(echo_app + "/base", "/echo", b'{"n": %d}' % i,
+            resp = await pool.send("POST", echo_app + "/base", "/echo", b'{"n": %d}' % i,
                                    {"Content-Type": "application/json", "x-request-id": "r1"},
                                    on_sent=lambda i=i: sent.append(i))
             assert resp.status == 200
@@ -229,11 +231,28 @@ async def test_requests_reach_the_server_whole_and_reuse_one_connection(echo_app
         pool.close()
 
 
+async def test_a_request_without_a_body_says_no_length(echo_app: str) -> None:
+    """GET /version, relayed as the client sent it."""
+    pool = UpstreamPool()
+    try:
+        resp = await pool.send("GET", echo_app + "/base", "/echo", None, {"x-request-id": "g"})
+        got = json.loads(await resp.read())
+        resp.release()
+        assert (got["method"], got["body"]) == ("GET", "")
+        assert "content-length" not in got["headers"]
+        resp = await pool.send("POST", echo_app + "/base", "/echo", b"after", {})
+        assert json.loads(await resp.read())["body"] == "after"  # the same connection
+        resp.release()
+        assert pool.connections_made == 1
+    finally:
+        pool.close()
+
+
 async def test_a_stream_arrives_whole_and_its_connection_is_kept(echo_app: str) -> None:
     pool = UpstreamPool()
     try:
         for _ in range(2):
-            resp = await pool.post(echo_app, "/stream", b"{}", {})
+            resp = await pool.send("POST", echo_app, "/stream", b"{}", {})
             assert resp.headers["transfer-encoding"] == "chunked"
             body = b""
             while piece := await resp.readany():
@@ -248,7 +267,7 @@ async def test_a_stream_arrives_whole_and_its_connection_is_kept(echo_app: str) 
 async def test_nothing_listening_is_a_connect_error() -> None:
     pool = UpstreamPool()
     with pytest.raises(UpstreamConnectError, match="cannot connect"):
-        await pool.post(f"http://127.0.0.1:{free_port()}", "/x", b"", {}, connect_timeout_s=2)
+        await pool.send("POST", f"http://127.0.0.1:{free_port()}", "/x", b"", {}, connect_timeout_s=2)
 
 
 async def test_a_replica_that_dies_mid_body_is_a_connection_error(
@@ -262,7 +281,7 @@ async def test_a_replica_that_dies_mid_body_is_a_connection_error(
 
     url = await raw_server(serve)
     pool = UpstreamPool()
-    resp = await pool.post(url, "/x", b"{}", {})
+    resp = await pool.send("POST", url, "/x", b"{}", {})
     with pytest.raises(ConnectionError):
         while await resp.readany():
             pass
@@ -278,7 +297,7 @@ async def test_garbage_for_an_answer_is_a_connection_error(
 
     url = await raw_server(serve)
     with pytest.raises(UpstreamProtocolError, match="status line"):
-        await UpstreamPool().post(url, "/x", b"{}", {})
+        await UpstreamPool().send("POST", url, "/x", b"{}", {})
 
 
 async def test_a_connection_the_replica_closed_while_idle_is_not_reused(
@@ -301,7 +320,7 @@ async def test_a_connection_the_replica_closed_while_idle_is_not_reused(
     url = await raw_server(serve)
     pool = UpstreamPool()
     try:
-        resp = await pool.post(url, "/x", b"{}", {})
+        resp = await pool.send("POST", url, "/x", b"{}", {})
         assert await resp.read() == b"ok"
         resp.release()
         await closed.wait()
@@ -310,7 +329,7 @@ async def test_a_connection_the_replica_closed_while_idle_is_not_reused(
             if not idle or idle[0].lost:
                 break
             await asyncio.sleep(0)
-        resp = await pool.post(url, "/x", b"{}", {})
+        resp = await pool.send("POST", url, "/x", b"{}", {})
         assert await resp.read() == b"ok"
         resp.release()
         assert connections == 2 and pool.connections_made == 2
@@ -333,7 +352,7 @@ async def test_closing_an_unfinished_answer_drops_the_connection(
 
     url = await raw_server(serve)
     pool = UpstreamPool()
-    resp = await pool.post(url, "/x", b"{}", {})
+    resp = await pool.send("POST", url, "/x", b"{}", {})
     assert await resp.readany() == b"data: 1\n\n"
     resp.release()  # not read to its end: closed, not kept
     await asyncio.wait_for(gone.wait(), 5)
@@ -342,7 +361,7 @@ async def test_closing_an_unfinished_answer_drops_the_connection(
 
 async def test_a_header_that_would_split_the_request_is_refused(echo_app: str) -> None:
     with pytest.raises(ValueError, match="line break"):
-        await UpstreamPool().post(echo_app, "/base/echo", b"",
+        await UpstreamPool().send("POST", echo_app, "/base/echo", b"",
                                   {"traceparent": "00-1\r\nX-Injected: 1"})
 
 
@@ -370,10 +389,10 @@ async def test_an_https_replica_is_reached_over_tls_and_its_certificate_checked(
     app.router.add_post("/echo", echo)
     async with serving(app, server_tls) as url:
         trusting = UpstreamPool(ssl_context=ssl.create_default_context(cafile=str(cert)))
-        resp = await trusting.post(url, "/echo", b"over tls", {})
+        resp = await trusting.send("POST", url, "/echo", b"over tls", {})
         assert (resp.status, await resp.read()) == (200, b"over tls")
         resp.release()
         trusting.close()
         # The system's trust store does not know this certificate: no connection.
         with pytest.raises(UpstreamConnectError, match="CERTIFICATE_VERIFY_FAILED"):
-            await UpstreamPool().post(url, "/echo", b"", {}, connect_timeout_s=5)
+            await UpstreamPool().send("POST", url, "/echo", b"", {}, connect_timeout_s=5)
