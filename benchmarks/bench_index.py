@@ -15,6 +15,11 @@ For each chain length it times one lookup of a chain that replica r0 holds in fu
                    runs are then verified, one ZMSCORE per 1,024 blocks
   (d) mem walk     MemoryIndex(lookup_strategy="walk").lookup
   (e) mem bisect   MemoryIndex.lookup (the default)
+  (e2) evicted     the same after every holder evicted another chain's tail leaf first,
+                   as vLLM does: no hole, so nothing to verify
+  (e3) holed       the same after an eviction left a hole elsewhere: each bisected run
+                   is verified block by block (what (e2) cost before the memory index
+                   counted its holes, when any eviction raised the flag)
 
 and the latency of RedisIndex.record for the same chain (in another model scope: a
 replica holding entries that expire is walked, see router/index/). Before those, what
@@ -117,17 +122,25 @@ async def bench_lookups(url: str, repeat: int) -> None:
         header = f"{'blocks':>7} | {'(a) pipeline':>15} | {'(b) lua walk':>15} | " \
                  f"{'(c) lua bisect':>15} | {'(c2) verified':>15} | " \
                  f"{'(d) mem walk':>15} | {'(e) mem bisect':>15} | " \
-                 f"{'record (lua)':>15}"
+                 f"{'(e2) evicted':>15} | {'(e3) holed':>15} | {'record (lua)':>15}"
         print(header)
         print("-" * len(header))
         for n in CHAIN_LENGTHS:
             base = n * 1_000_003  # disjoint key ranges per chain length
             chain = list(range(base, base + n))
-            for idx in (redis_index, memory, memory_walk):
+            evicted, holed_memory = MemoryIndex(), MemoryIndex()
+            for idx in (redis_index, memory, memory_walk, evicted, holed_memory):
                 await idx.add(MODEL, "r0", chain)
                 await idx.add(MODEL, "r1", chain[: n // 2])
                 await idx.add(MODEL, "r2", chain[: n // 4])
                 await idx.add(MODEL, "r3", chain[: n // 8])
+            for r in ("r0", "r1", "r2", "r3"):
+                # Another conversation after the first block: stored, then evicted.
+                side = [chain[0], *range(-base - 1, -base - 9, -1)]
+                for idx in (evicted, holed_memory):
+                    await idx.add(MODEL, r, side)
+                await evicted.remove(MODEL, r, side[:0:-1])  # leaf first
+                await holed_memory.remove(MODEL, r, side[2:3])  # mid-chain: a hole
             holed = f"{MODEL}-holed"
             for r, size in (("r0", n), ("r1", n // 2), ("r2", n // 4), ("r3", n // 8)):
                 await redis_index.add(holed, r, chain[:size])
@@ -139,6 +152,9 @@ async def bench_lookups(url: str, repeat: int) -> None:
             assert await redis_index.lookup(MODEL, chain) == expect
             assert await memory_walk.lookup(MODEL, chain) == expect
             assert await memory.lookup(MODEL, chain) == expect
+            assert await evicted.lookup(MODEL, chain) == expect
+            assert await holed_memory.lookup(MODEL, chain) == expect
+            assert evicted.holes(MODEL, "r0") == 0 and holed_memory.holes(MODEL, "r0") == 1
             results = await timed([
                 partial(pipeline_lookup, redis_index, MODEL, chain),
                 partial(redis_walk.lookup, MODEL, chain),
@@ -146,6 +162,8 @@ async def bench_lookups(url: str, repeat: int) -> None:
                 partial(redis_index.lookup, holed, chain),
                 partial(memory_walk.lookup, MODEL, chain),
                 partial(memory.lookup, MODEL, chain),
+                partial(evicted.lookup, MODEL, chain),
+                partial(holed_memory.lookup, MODEL, chain),
                 partial(redis_index.record, f"{MODEL}-record", "rw", chain, 600),
             ], repeat)
             cells = [f"{m:7.3f} / {p:6.3f}" for m, p in results]

@@ -54,6 +54,10 @@ chains from block 0 trimmed tail-first. Where it can fail, the writers leave a f
   replica does not hold (a KV-event batch was lost or came before the subscription). The
   bisection's answer is then checked against the replica's reverse index (in Redis, one
   ZMSCORE per 1,024 blocks) and cut at the first missing block.
+  MemoryIndex keeps each held block's parent instead and counts the exact holes (held
+  blocks whose parent the replica does not hold): it verifies only while there is one,
+  so vLLM's leaf-first evictions cost its lookups nothing. Redis keeps no parents (they
+  would add to every entry's memory), so there any remove raises the flag.
 - A broken last link (the run's last block held, the one before it not: keys that are
   not one chain) is checked the same way.
 
@@ -62,9 +66,10 @@ subscriber does), with or without removes, records and lost batches
 (tests/router/test_index_lookup.py). The one case it does not: blocks added without a
 parent (plain `add`) around a hole that no probe lands on; it then claims the run up to
 the bisection's boundary, past the hole. The cost: O(R log n) probes for R replicas on
-an event-fed, eviction-free index; a remove makes that replica's lookups O(run) (a C-level
-ZMSCORE, a few times cheaper than the walk) until its entries are cleared; a TTL makes
-them a walk.
+an event-fed, eviction-free index; in Redis a remove makes that replica's lookups O(run)
+(a C-level ZMSCORE, a few times cheaper than the walk) until its entries are cleared, in
+memory only a real hole does (benchmarks/bench_index.py (e2), (e3)); a TTL makes them a
+walk.
 
 Before serving, the gateway calls `warm(connections)`: RedisIndex opens that many
 pooled connections and loads its scripts, so the first concurrent lookups do not pay

@@ -152,7 +152,12 @@ async def test_redis_and_memory_agree_on_random_operations(
     rng = random.Random(seed)
     memory = MemoryIndex(capacity_blocks=12)
     redis_index = RedisIndex.from_url(redis_server.url, capacity_blocks=12)
-    chains = [[rng.randrange(1, 40) for _ in range(rng.randrange(1, 9))] for _ in range(6)]
+    # Keys chained as vLLM's are (each stands for its whole prefix: the memory index
+    # counts holes by parent), from 3 tokens so that the chains share prefixes.
+    chains = []
+    for _ in range(6):
+        tokens = tuple(rng.randrange(1, 4) for _ in range(rng.randrange(1, 9)))
+        chains.append([hash(tokens[:i + 1]) & (2**63 - 1) for i in range(len(tokens))])
     models, replicas = [MODEL, f"{MODEL}@sql"], ["r1", "r2", "r3"]
     try:
         for step in range(200):

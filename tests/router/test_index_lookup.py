@@ -200,3 +200,49 @@ async def test_bisect_and_walk_agree_on_random_operations(twins: Twins, seed: in
         for keys in chains:
             bisect, walk = await twins.both(keys)
             assert bisect == walk, (step, op)
+
+
+@pytest.mark.parametrize("seed", [21, 22, 23])
+async def test_the_memory_index_counts_its_holes_exactly(seed: int) -> None:
+    """Stores, leaf-first and interior evictions, capacity trimming and clears: the count
+    the bisection trusts is always the held blocks whose parent is not held, and
+    leaf-first evictions (vLLM's) leave none."""
+    rng = random.Random(seed)
+    chains = make_chains(rng, 5, shared=rng.randrange(1, 30), own=40)
+    parent = {c[i]: c[i - 1] if i else None for c in chains for i in range(len(c))}
+    index = MemoryIndex(capacity_blocks=rng.choice([None, 50]))
+    replicas = ["r1", "r2"]
+
+    def held(replica: str) -> set[int]:
+        return set(index._lru.get((MODEL, replica), ()))
+
+    for step in range(150):
+        op = rng.choice(["store", "store", "store", "leaf_first", "remove", "clear"])
+        replica, chain = rng.choice(replicas), rng.choice(chains)
+        start = rng.randrange(len(chain))
+        stop = rng.randrange(start + 1, len(chain) + 1)
+        if op == "store":
+            await index.apply(replica, [store(chain, start, stop)])
+        elif op == "leaf_first":
+            await index.apply(replica, [IndexOp("remove", MODEL, tuple(reversed(chain[start:])))])
+        elif op == "remove":
+            await index.apply(replica, [IndexOp("remove", MODEL, tuple(chain[start:stop]))])
+        else:
+            await index.clear_replica(replica)
+        for r in replicas:
+            mine = held(r)
+            orphans = sum(1 for k in mine if parent[k] is not None and parent[k] not in mine)
+            assert index.holes(MODEL, r) == orphans, (step, op, r)
+
+
+async def test_leaf_first_evictions_leave_no_hole_to_verify() -> None:
+    chains = make_chains(random.Random(24), 4, shared=64, own=200)
+    index = MemoryIndex()
+    for chain in chains:
+        await index.apply("r1", [store(chain, 0, len(chain))])
+    for chain in chains:
+        await index.apply("r1", [IndexOp("remove", MODEL, tuple(reversed(chain[100:])))])
+    assert index.holes(MODEL, "r1") == 0
+    await index.apply("r1", [IndexOp("remove", MODEL, (chains[0][80],))])
+    assert index.holes(MODEL, "r1") == 1  # block 81, whose parent was evicted
+    assert await index.lookup(MODEL, chains[0]) == {"r1": 80}
