@@ -35,7 +35,8 @@ What cache_aware minimises is that TTFT plus the delay its prefill adds for othe
     cost      = ttft + work_weight * waiting * bias * max(0, work - least_work)
     work      = prefill - base_s               # (unbiased) what it adds to the queue there
     least_work = min over the candidates of work   # where its best cache match is
-    waiting   = pending + max(external_waiting, peer_pending)  # waiting for a prefill there
+    waiting   = pending + max(external_left, peer_pending)  # waiting for a prefill there
+    external_left = the scraped external_waiting less those served since (as in `work`)
 
 Every second of prefill a replica spends on this request delays each request that queues
 behind it there, and a replica's queue now is the best guess of how many will. An idle
@@ -142,7 +143,8 @@ def estimate_ttft(
     # Others' waiting requests as the scrape saw them, drained since (first come, first
     # served, like ours): a scrape up to an interval old must not keep a replica that has
     # long since served them looking busy.
-    external_s = max(0.0, bias * replica.external_waiting * typical - replica.scrape_age_s)
+    each_s = bias * typical
+    external_s = max(0.0, replica.external_waiting * each_s - replica.scrape_age_s)
     # Other gateways' queue twice over: shared through Redis (fresh, theirs only) and in
     # the scrape (late, every client's). The same requests: take the larger, not the sum.
     work_s = replica.queued_prefill_s + max(external_s, replica.peer_wait_s)
@@ -165,6 +167,9 @@ def estimate_ttft(
     hot_s = config.hot_cost_s * max(0.0, load - hot_line)
     # The requests waiting there now stand for those that will queue behind this one:
     # an idle replica delays no one by taking a cold prefill, a backed-up one does.
-    waiting_there = replica.pending + max(replica.external_waiting, replica.peer_pending)
+    # Others' from the scrape count as drained as the queue term drains them: a request
+    # the replica served since the scrape waits behind no one.
+    external_now = external_s / each_s if each_s > 0 else float(replica.external_waiting)
+    waiting_there = replica.pending + max(external_now, replica.peer_pending)
     delay_s = config.work_weight * waiting_there * bias * max(0.0, queued_work_s - least_work_s)
     return TtftEstimate(cached, queue_s, hot_s, prefill_s, queued_work_s, delay_s)

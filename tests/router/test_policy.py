@@ -506,9 +506,8 @@ def test_a_backed_up_replica_weighs_the_prefill_a_request_makes_others_wait_for(
     holder = ReplicaState("r0", block_size=16, matched_blocks=FULL, queued_prefill_s=0.1)
     cold = ReplicaState("r1", block_size=16)
     assert policy().decide(request(), [holder, cold]).replica_id == "r1"
-    # Three waiting at each (r1's about to finish theirs).
-    busy = [replace(holder, pending=3), replace(cold, pending=1, external_waiting=2, waiting=2,
-                                                mean_prefill_s=0.0, scrape_age_s=10.0)]
+    # Three waiting at each.
+    busy = [replace(holder, pending=3), replace(cold, pending=3)]
     assert policy().decide(request(), busy).replica_id == "r0"
     est = estimate_ttft(request(), busy[1], 1.5, config)
     work = config.prefill.seconds(PROMPT, PROMPT) - config.prefill.base_s
@@ -520,6 +519,24 @@ def test_a_backed_up_replica_weighs_the_prefill_a_request_makes_others_wait_for(
     assert d.costs["r1"] == pytest.approx(est.total_s)
     # work_weight 0 turns it off: the sooner first token wins again.
     assert policy(work_weight=0.0).decide(request(), busy).replica_id == "r1"
+
+
+def test_other_clients_waiting_in_an_old_scrape_are_counted_as_served() -> None:
+    # One of ours and two of other clients' wait at r1, as of the last scrape. Served
+    # first come first served since, they neither queue ahead of this request (the queue
+    # term) nor wait behind it (the delay to others): a scrape up to an interval old.
+    config = PolicyConfig()
+    work = config.prefill.seconds(PROMPT, PROMPT) - config.prefill.base_s
+    each = config.prefill.seconds(PROMPT, PROMPT)  # no mean measured yet: this prompt's
+    seen = ReplicaState("r1", block_size=16, pending=1, external_waiting=2, waiting=3)
+
+    def delay(age_s: float) -> float:
+        return estimate_ttft(request(), replace(seen, scrape_age_s=age_s), 1.5,
+                             config).delay_to_others_s
+
+    assert delay(0.0) == pytest.approx(3.0 * work)
+    assert delay(each) == pytest.approx(2.0 * work)  # one of theirs served since
+    assert delay(10.0) == pytest.approx(1.0 * work)  # both: only ours still waits
 
 
 def test_an_idle_replica_takes_a_cold_prefill_without_a_penalty() -> None:
