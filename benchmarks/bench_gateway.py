@@ -286,7 +286,7 @@ def start_cacheroute(fleet: SimFleet, tmp: Path, model_dir: str, repo: Path = RE
                       "kv_replay": r.replay_endpoint} for r in fleet.replicas],
         "index": {"backend": redis_url or "memory", "deadline_ms": 50},
         "tenants": {"allow_anonymous": True},
-        "proxy": {"max_body_bytes": 64 * 1024 * 1024},
+        "proxy": {"max_body_bytes": 64 * 1024 * 1024, "expose_routing_headers": True},
         "limits": {"max_tokens_limit": 16},
     }
     name = name or ("cacheroute" if redis_url is None else f"cacheroute redis {workers}w")
@@ -347,27 +347,39 @@ def start_vllm_router(fleet: SimFleet, tmp: Path, policy: str) -> Router | None:
 # ------------------------------------------------------------- 2. added latency, e2e
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, path: str, raw: bytes) -> float:
+async def one_request(session: aiohttp.ClientSession, url: str, path: str, raw: bytes
+                      ) -> tuple[float, dict[str, float]]:
+    """Seconds to the whole answer, and the stages of cacheroute's Server-Timing header
+    (seconds; empty from other routers)."""
     started = time.perf_counter()
     async with session.post(url + path, data=raw,
                             headers={"Content-Type": "application/json"}) as resp:
         await resp.read()
         if resp.status != 200:
             raise RuntimeError(f"{url}{path}: HTTP {resp.status}: {(await resp.text())[:200]}")
-    return time.perf_counter() - started
+        timing = resp.headers.get("Server-Timing", "")
+    stages = {}
+    for part in filter(None, timing.split(",")):
+        name, _, dur = part.strip().partition(";dur=")
+        stages[name] = float(dur) / 1000
+    return time.perf_counter() - started, stages
 
 
 async def added_latency(targets: list[tuple[str, str]], scenarios: list[Scenario], rounds: int,
                         per_round: int, extra: dict[str, Any] | None = None,
-                        ) -> dict[str, dict[str, list[float]]]:
-    """scenario -> target -> per-round p50 (seconds); targets[0] is the direct baseline."""
+                        ) -> tuple[dict[str, dict[str, list[float]]],
+                                   dict[str, dict[str, list[float]]]]:
+    """scenario -> target -> per-round p50 (seconds), targets[0] being the direct
+    baseline; and scenario -> Server-Timing stage -> its per-round p50 on `cacheroute`."""
     out: dict[str, dict[str, list[float]]] = {s.name: {t: [] for t, _ in targets} for s in scenarios}
+    in_situ: dict[str, dict[str, list[float]]] = {s.name: {} for s in scenarios}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         for round_ in range(rounds):
             for scenario in scenarios:
                 convs = {name: scenario.conversation(random.Random(f"{round_}-{scenario.name}-{name}"))
                          for name, _ in targets}
                 seen: dict[str, list[float]] = {name: [] for name, _ in targets}
+                stages: dict[str, list[float]] = {}
                 for i in range(per_round + 1):
                     # Interleaved, each target in turn, starting one further along per
                     # request: whoever follows a given target inherits its wake (the
@@ -377,16 +389,22 @@ async def added_latency(targets: list[tuple[str, str]], scenarios: list[Scenario
                     shift = i % len(targets)
                     for name, url in targets[shift:] + targets[:shift]:
                         raw = json.dumps({**next(convs[name]), **(extra or {})}).encode()
-                        seconds = await one_request(session, url, scenario.path, raw)
+                        seconds, timing = await one_request(session, url, scenario.path, raw)
                         if i:
                             seen[name].append(seconds)
+                            if name == "cacheroute":
+                                for stage, value in timing.items():
+                                    stages.setdefault(stage, []).append(value)
                 for name, values in seen.items():
                     out[scenario.name][name].append(statistics.median(values))
-    return out
+                for stage, values in stages.items():
+                    in_situ[scenario.name].setdefault(stage, []).append(statistics.median(values))
+    return out, in_situ
 
 
 def print_added(results: dict[str, dict[str, list[float]]], direct: str,
-                profiles: dict[str, tuple[dict[str, float], float]]) -> None:
+                profiles: dict[str, tuple[dict[str, float], float]],
+                in_situ: dict[str, dict[str, list[float]]]) -> None:
     print("\n2) added latency end to end (ms): per round p50(target) - p50(direct); "
           "median over rounds [min..max]")
     header = f"{'request':<26} | {'target':<24} | {'p50':>8} | {'added p50':>9} | {'spread':>17}"
@@ -408,6 +426,15 @@ def print_added(results: dict[str, dict[str, list[float]]], direct: str,
                                                              strict=True))
             print(f"{'':<26} | {'cacheroute proxy+HTTP':<24} | {'':>8} | "
                   f"{(added - inproc) * 1000:>+9.2f} | (added - in-process stages)")
+        stages = in_situ.get(scenario, {})
+        if stages:
+            # The same functions as the in-process profile, timed inside the serving
+            # gateway (its Server-Timing header), on a loop shared with KV events,
+            # scrapes and the other requests' answers.
+            cells = ", ".join(f"{name} {statistics.median(v) * 1000:.2f}"
+                              for name, v in stages.items())
+            print(f"{'':<26} | {'cacheroute in situ':<24} | {'':>8} | {cells} "
+                  "(Server-Timing, ms)")
 
 
 # ------------------------------------------------------------------- 3. throughput
@@ -565,9 +592,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{', '.join(r.name for r in routers)}; {args.rounds} rounds x "
                   f"{args.per_round} requests per target and request kind")
             extra = {"return_token_ids": True} if args.return_token_ids else None
-            results = asyncio.run(added_latency(targets, scenarios, args.rounds, args.per_round,
-                                                extra))
-            print_added(results, direct[0], profiles)
+            results, in_situ = asyncio.run(added_latency(targets, scenarios, args.rounds,
+                                                         args.per_round, extra))
+            print_added(results, direct[0], profiles, in_situ)
             if args.seconds > 0:
                 print(f"\n3) routed requests/s ({args.concurrency} concurrent clients, 256-token "
                       f"prompts, max_tokens 1, {args.seconds:.0f} s each)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -50,27 +51,51 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+@dataclass
+class Stages:
+    """When a request passed each stage (perf_counter), for the Server-Timing header
+    (`proxy.expose_routing_headers`): where the gateway's time went, measured where it
+    goes, on a loop shared with every other request (benchmarks/bench_gateway.py reads
+    it; the in-process profile there runs the same functions alone)."""
+
+    arrived: float  # the handler began: the head was in
+    parsed: float = 0.0
+    routed: float = 0.0
+    forwarded: float = 0.0
+
+    def server_timing(self, now: float) -> str:
+        """parse: the body read and checked; route: tokenized, keyed, looked up and
+        decided; admit: admission and the upstream request built; upstream: from
+        forwarding until the answer can go out (streamed: its first token; else the whole
+        body), failovers included."""
+        marks = (("parse", self.arrived, self.parsed), ("route", self.parsed, self.routed),
+                 ("admit", self.routed, self.forwarded), ("upstream", self.forwarded, now))
+        return ", ".join(f"{name};dur={max(0.0, end - start) * 1000:.2f}"
+                         for name, start, end in marks)
+
+
 async def handle_completion(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions and /v1/completions: route, forward, record."""
     gw = request.app[GATEWAY]
     assert gw.fleet is not None and gw.pipeline is not None and gw.forwarder is not None
-    arrived = time.perf_counter()
+    stages = Stages(time.perf_counter())
     tenant = tenant_of(gw, request)
     raw = await _read_body(request, gw.config.proxy.max_body_bytes)
     # From here to going upstream the work is the loop's CPU: taken in arrival order
     # (router/arrival_order.py), letting go around I/O waits.
     async with gw.arrival.turn() if gw.arrival is not None else NO_TURN as turn:
-        return await _route_and_forward(gw, request, raw, tenant, arrived, turn)
+        return await _route_and_forward(gw, request, raw, tenant, stages, turn)
 
 
 async def _route_and_forward(gw: Gateway, request: web.Request, raw: bytes, tenant: Tenant,
-                             arrived: float, turn: TurnLike) -> web.StreamResponse:
+                             stages: Stages, turn: TurnLike) -> web.StreamResponse:
     assert gw.fleet is not None and gw.pipeline is not None
     # On the loop whatever its size: msgspec holds the GIL while it decodes (~40 ns a
     # prompt token, 1.3 ms at 32k), so a thread would stall the loop as long, plus the
     # hand-off (router/routing.py tokens_off_the_loop_when_long says what that cost).
     parsed = parse_request(raw, ENDPOINTS[request.path], served_models=served_models(gw),
                            limits=gw.config.limits, tenant=tenant, registry=gw.tenants)
+    stages.parsed = time.perf_counter()
     served = gw.fleet.for_model(parsed.model)
     if not served:
         raise ClientError(f"The model '{parsed.model}' does not exist", "model", status=404)
@@ -93,8 +118,9 @@ async def _route_and_forward(gw: Gateway, request: web.Request, raw: bytes, tena
                                         defer_keys=True)
     except NoReplicasError:
         return json_error(503, "no replica serves this model", "service_unavailable")
+    stages.routed = time.perf_counter()
     try:
-        return await _admit_and_forward(gw, request, route, tenant, parsed, served, arrived,
+        return await _admit_and_forward(gw, request, route, tenant, parsed, served, stages,
                                         turn)
     finally:
         # Whatever ended it (a refusal, an error, an answer), no reservation outlives it,
@@ -106,7 +132,7 @@ async def _route_and_forward(gw: Gateway, request: web.Request, raw: bytes, tena
 
 async def _admit_and_forward(gw: Gateway, request: web.Request, route: Route, tenant: Tenant,
                              parsed: ParsedRequest, served: list[Replica],
-                             arrived: float, turn: TurnLike) -> web.StreamResponse:
+                             stages: Stages, turn: TurnLike) -> web.StreamResponse:
     assert gw.admission is not None
     _check_context_length(gw, parsed, route.prompt.num_tokens)
     await predict_batch(gw, route, served, turn)  # a batch reports its last prompt's cached tokens
@@ -148,7 +174,7 @@ async def _admit_and_forward(gw: Gateway, request: web.Request, route: Route, te
                       list(decision.relaxed))
         gw.metrics.record_routed(chosen.replica_id, decision.policy, route.prompt.num_tokens,
                                  route.predicted_for(chosen.replica_id), route.decision_seconds)
-        return await _forward(gw, request, route, candidates, arrived, turn)
+        return await _forward(gw, request, route, candidates, stages, turn)
 
 
 def _overloaded(gw: Gateway, tenant: Tenant, exc: Overloaded) -> web.Response:
@@ -170,7 +196,7 @@ def _check_context_length(gw: Gateway, parsed: ParsedRequest, prompt_tokens: int
 
 
 async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: list[Replica],
-                   arrived: float, turn: TurnLike) -> web.StreamResponse:
+                   stages: Stages, turn: TurnLike) -> web.StreamResponse:
     assert gw.forwarder is not None and gw.fleet is not None
     parsed = route.parsed
     want_ids = any(r.mode == "record" for r in candidates)
@@ -209,14 +235,16 @@ async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: 
             if replica.replica_id in route.decision.costs:  # cache_aware's TTFT prediction
                 out["x-cacheroute-predicted-ttft-ms"] = (
                     f"{1000 * route.decision.costs[replica.replica_id]:.1f}")
+            out["Server-Timing"] = stages.server_timing(time.perf_counter())
         return out
 
     sent_at = time.time()  # the KV-event streams' clock
+    stages.forwarded = time.perf_counter()
     turn.end()  # the next request computes while this one is upstream
     route.sent = True
     response, outcome = await gw.forwarder.forward(request, up, candidates, response_headers)
     if outcome.first_byte_at is not None:
-        gw.metrics.record_first_byte(outcome.first_byte_at - arrived)
+        gw.metrics.record_first_byte(outcome.first_byte_at - stages.arrived)
     finish_keys()  # where no attempt got as far as sending
     route.settle_pending(pipeline.pending, outcome.replica_id, outcome.status)
     replica = gw.fleet.get(outcome.replica_id) if outcome.replica_id else None

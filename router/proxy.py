@@ -165,9 +165,9 @@ class Forwarder:
                     await asyncio.sleep(self._backoff(outcome.attempts))
                 outcome.attempts += 1
                 outcome.replica_id = replica.replica_id
-                headers = response_headers(replica) if response_headers else {}
                 try:
-                    return await self._attempt(request, up, replica, outcome, headers)
+                    return await self._attempt(request, up, replica, outcome,
+                                               response_headers or _no_headers)
                 except UpstreamFailure as failure:
                     last = failure
                     outcome.failures.append((replica.replica_id, failure.reason))
@@ -240,8 +240,11 @@ class Forwarder:
         return self._rng.uniform(0, cap)
 
     async def _attempt(self, request: web.Request, up: UpstreamRequest, replica: Replica,
-                       outcome: ProxyOutcome, headers: dict[str, str],
+                       outcome: ProxyOutcome, headers_for: Callable[[Replica], dict[str, str]],
                        ) -> tuple[web.StreamResponse, ProxyOutcome]:
+        """One try at `replica`. The response's own headers come from `headers_for`, asked
+        once the answer's head (streamed: its first token) is in, so that they can say
+        how long that took."""
         s = self.settings
         if up.stream:
             deadline = s.first_token_timeout_s
@@ -307,10 +310,10 @@ class Forwarder:
             if reader is None:
                 outcome.completed = resp.status < 400
                 outcome.first_byte_at = time.perf_counter()
-                return self._plain_response(resp, payload, state, headers), outcome
+                return self._plain_response(resp, payload, state, headers_for(replica)), outcome
             response = web.StreamResponse(status=resp.status, headers={
                 "Content-Type": resp.headers.get("content-type", "text/event-stream"),
-                "Cache-Control": "no-cache", **headers})
+                "Cache-Control": "no-cache", **headers_for(replica)})
             await self._relay(request, response, reader, held, state, replica)
             return response, outcome
         finally:
@@ -447,6 +450,10 @@ class IdleWatch:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+
+def _no_headers(replica: Replica) -> dict[str, str]:
+    return {}
 
 
 def _status_failure(status: int, text: str) -> UpstreamFailure:

@@ -171,6 +171,10 @@ class ProxyConfig:
     # by default: it helped agent bursts on 4 sims and hurt them on 8 (results/README.md).
     route_in_arrival_order: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
+    # Each answer says where it went and why (x-cacheroute-replica, -predicted-cached-
+    # tokens, -predicted-ttft-ms) and where the gateway's time went (Server-Timing: parse,
+    # route, admit, upstream; router/completions.py Stages). Off by default: they describe
+    # the fleet to every client.
     expose_routing_headers: bool = False
     tokenize_mode: str = "local"
     # A request that fails as its replica dies is refused this long (router/suspects.py),
