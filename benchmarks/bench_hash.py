@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -27,11 +28,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from replica.tiny_model import build_tiny_model  # noqa: E402
+from router import native  # noqa: E402
 from router.hashing import HASH_ALGOS, BlockChain, HashConfig, chain_hashes  # noqa: E402
+from router.request import _TokenIds  # noqa: E402
 from router.tokenize import PromptTokenizer  # noqa: E402
 
 SIZES = (1_000, 8_000, 32_000, 128_000)
@@ -97,6 +102,38 @@ def _interleaved_best(a: Callable[[], Any], b: Callable[[], Any], repeats: int,
     return min(times_a), min(times_b)
 
 
+def _python_only(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """fn with router._keys switched off: the pure-Python path (router/native.py)."""
+    def run() -> Any:
+        saved, native._keys = native._keys, None
+        try:
+            return fn()
+        finally:
+            native._keys = saved
+    return run
+
+
+def _interleaved_medians(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> str:
+    """a against b, run alternately: each one's median and range, and the ratio of the
+    medians (a shared machine's speed drifts; one pair can move several times over)."""
+    times_a, times_b = [], []
+    for _ in range(repeats):
+        for fn, times in ((a, times_a), (b, times_b)):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+    ma, mb = statistics.median(times_a), statistics.median(times_b)
+    return (f"{ma:.3f} ms [{min(times_a):.3f}-{max(times_a):.3f}] against {mb:.3f} ms "
+            f"[{min(times_b):.3f}-{max(times_b):.3f}]: x{ma / mb:.2f}")
+
+
+def _check_and_pack(ids: list[int]) -> bytes:
+    """The gateway's check of a token-id prompt, then the chain cache's pack of it."""
+    if not native.checked_ids(ids):
+        msgspec.convert(ids, _TokenIds)
+    return native.pack_ids(ids, len(ids))
+
+
 def _rate(tokens: int, seconds: float) -> str:
     return f"{tokens / seconds / 1e6:8.2f} Mtok/s  {seconds * 1e3:9.2f} ms"
 
@@ -156,6 +193,17 @@ def _bench_size(model_dir: Path, size: int, block_size: int, algos: tuple[str, .
                      f"  new turn only {min(extend_times) * 1e3:7.3f} ms"
                      f"  ids checked {t_checked * 1e3:.2f} ms, per-block wrapper "
                      f"{t_wrapper * 1e3:.2f} ms: x{t_checked / t_wrapper:.2f}")
+        if native.AVAILABLE:
+            def keys() -> list[bytes]:
+                return BlockChain(config).extend(next_ids, checked=True)  # noqa: B023
+            assert keys() == _python_only(keys)()
+            lines.append(f"    C extension (router._keys) against Python, medians of "
+                         f"{max(repeats, 15)} interleaved: "
+                         f"{_interleaved_medians(keys, _python_only(keys), max(repeats, 15))}")
+    if native.AVAILABLE:
+        check = partial(_check_and_pack, next_ids)
+        compared = _interleaved_medians(check, _python_only(check), max(repeats, 15))
+        lines.append(f"  check + pack the ids, C against msgspec + struct: {compared}")
     return lines
 
 

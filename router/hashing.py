@@ -35,6 +35,8 @@ from typing import Any
 import cbor2
 import xxhash
 
+from router.native import chain_keys
+
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 DEFAULT_SEED = "vllm-none-hash"
 _CRYPTO_ALGOS = frozenset({"sha256", "sha256_cbor"})
@@ -276,10 +278,15 @@ class BlockChain:
             start = end
         full_end = len(tokens) - len(tokens) % size
         if start < full_end:
-            # zip over one iterator, `size` times: the full blocks as tuples, made in C.
-            blocks = zip(*[iter(tokens[start:full_end])] * size, strict=False)
-            added += chain_blocks(self.config.algo, parent, blocks,
-                                  block_extra_keys(size, 2 * size, lora=self.lora))
+            extra = block_extra_keys(size, 2 * size, lora=self.lora)
+            native = None if extra is not None else chain_keys(
+                self.config.algo, parent, tokens, start, full_end, size)
+            if native is not None:
+                added += native
+            else:
+                # zip over one iterator, `size` times: the full blocks as tuples, made in C.
+                blocks = zip(*[iter(tokens[start:full_end])] * size, strict=False)
+                added += chain_blocks(self.config.algo, parent, blocks, extra)
         self.keys.extend(added)
         return added
 

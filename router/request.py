@@ -19,6 +19,7 @@ from typing import Annotated, Any
 import msgspec
 
 from router.config import LimitsConfig
+from router.native import checked_ids
 from router.tenants import ClientSaltError, Tenant, TenantRegistry
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -194,6 +195,8 @@ def _check_prompt(body: Mapping[str, Any]) -> list[int] | None:
     if isinstance(prompt, list) and not prompt:
         raise ClientError("'prompt' must not be empty", "prompt")
     if isinstance(prompt, list):
+        if checked_ids(prompt):  # in C where built: the common case, one pass, no copy
+            return prompt
         try:
             return msgspec.convert(prompt, _TokenIds)  # bools and negatives refused
         except msgspec.ValidationError:

@@ -20,6 +20,16 @@ if ! command -v redis-server >/dev/null 2>&1; then
   else sudo apt-get update -q && sudo apt-get install -y -q redis-server; fi
 fi
 
+# The gateway's C path (router/_keys.c: block keys, token-id checks) builds with a C
+# compiler and OpenSSL's headers; pip skips it without them and the gateway runs the
+# slower pure-Python path, so a machine that can get them does.
+if { ! command -v cc >/dev/null 2>&1 || [ ! -e /usr/include/openssl/sha.h ]; } \
+    && command -v apt-get >/dev/null 2>&1; then
+  echo "setup: installing a C compiler and OpenSSL headers"
+  if [ "$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q gcc libssl-dev
+  else sudo apt-get update -q && sudo apt-get install -y -q gcc libssl-dev; fi
+fi
+
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
@@ -62,4 +72,5 @@ PY
   rm -rf "$helm_tmp"
   .venv/bin/helm version --short | grep -q "^$HELM_VERSION+"
 fi
-echo "setup: done ($(.venv/bin/python --version), redis: $(redis-server --version | cut -d' ' -f3), helm: $(.venv/bin/helm version --short))"
+native=$(.venv/bin/python -c 'from router import native; print("built" if native.AVAILABLE else "NOT built: the Python path")')
+echo "setup: done ($(.venv/bin/python --version), redis: $(redis-server --version | cut -d' ' -f3), helm: $(.venv/bin/helm version --short), C path: $native)"

@@ -1,0 +1,259 @@
+/* The gateway's per-token hot path in C: vLLM's sha256 block keys and the token-id check.
+
+   Optional: router/native.py falls back to the pure-Python path (router/hashing.py,
+   msgspec, struct) when this module was not built, and tests/router/test_native.py
+   checks both give the same bytes.
+
+   chain_sha256 hashes what vLLM 0.32 hashes for a block whose extra keys are None:
+   sha256 of pickle.dumps((parent, tuple(block), None), protocol=5) ("sha256"), or of
+   cbor2.dumps(..., canonical=True) ("sha256_cbor"). It writes those serializations
+   directly (the exact bytes CPython's C pickler and cbor2 produce for that shape, see
+   the writers below), so a block costs one SHA-256 of ~100 bytes and no Python objects.
+   Anything outside the shape it knows (an id that is not an exact int, or beyond the
+   encodings below) raises ValueError, and the caller takes the Python path.
+
+   check_ids packs a list of token ids as little-endian int64 after checking each is an
+   exact int in [0, 2**63): msgspec.convert's check and struct.pack in one pass.
+*/
+#define PY_SSIZE_T_CLEAN
+/* SHA256_Init/Update/Final: deprecated in OpenSSL 3 in favour of EVP, whose one-shot
+   SHA256() fetches the algorithm on every call (about 0.5 us, five times the hash of a
+   100-byte block); the low-level calls run the same SHA-NI/AVX2 code without it. */
+#define OPENSSL_SUPPRESS_DEPRECATED
+#include <Python.h>
+#include <openssl/sha.h>
+#include <stdint.h>
+#include <string.h>
+
+/* A block of up to 4096 tokens serializes within this many bytes (10 per id at most). */
+#define MAX_BLOCK_TOKENS 4096
+#define BUF_BYTES (64 + 10 * MAX_BLOCK_TOKENS)
+
+/* One id as an int64, or -1 with ValueError set: exact ints only (bool is a subclass and
+   pickles differently), non-negative, within int64. */
+static int64_t
+id_value(PyObject *item)
+{
+    if (!PyLong_CheckExact(item)) {
+        PyErr_SetString(PyExc_ValueError, "token id is not an int");
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow || v < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "token id out of range [0, 2**63)");
+        return -1;
+    }
+    return (int64_t)v;
+}
+
+static void
+put_le(unsigned char *p, uint64_t v, int n)
+{
+    for (int i = 0; i < n; i++)
+        p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static void
+put_be(unsigned char *p, uint64_t v, int n)
+{
+    for (int i = 0; i < n; i++)
+        p[i] = (unsigned char)(v >> (8 * (n - 1 - i)));
+}
+
+/* pickle protocol 5, as CPython's _pickle writes (parent, (ids...), None):
+     PROTO 5, FRAME <u64 len>, SHORT_BINBYTES <n> parent, MEMOIZE,
+     [MARK ids TUPLE | ids TUPLE1..3], MEMOIZE, NONE, TUPLE3, MEMOIZE, STOP
+   ids: BININT1 below 256, BININT2 below 65536, BININT below 2**31, else LONG1 with
+   (bit_length >> 3) + 1 little-endian bytes (save_long's length for a positive int). */
+static Py_ssize_t
+pickle_block(unsigned char *buf, const unsigned char *parent, Py_ssize_t plen,
+             const int64_t *ids, Py_ssize_t n)
+{
+    unsigned char *p = buf;
+    *p++ = 0x80; *p++ = 5;
+    unsigned char *frame = p;
+    p += 9;
+    *p++ = 'C'; *p++ = (unsigned char)plen;
+    memcpy(p, parent, (size_t)plen); p += plen;
+    *p++ = 0x94;
+    if (n > 3)
+        *p++ = '(';
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t v = (uint64_t)ids[i];
+        if (v < 256) {
+            *p++ = 'K'; *p++ = (unsigned char)v;
+        } else if (v < 65536) {
+            *p++ = 'M'; put_le(p, v, 2); p += 2;
+        } else if (v < 0x80000000ULL) {
+            *p++ = 'J'; put_le(p, v, 4); p += 4;
+        } else {
+            int bits = 64 - __builtin_clzll(v);
+            int nbytes = (bits >> 3) + 1;
+            *p++ = 0x8a; *p++ = (unsigned char)nbytes;
+            put_le(p, v, nbytes);  /* v < 2**63: at most 8 bytes */
+            p += nbytes;
+        }
+    }
+    if (n > 3)
+        *p++ = 't';
+    else
+        *p++ = (unsigned char)(0x85 + n - 1);  /* TUPLE1, TUPLE2, TUPLE3 */
+    *p++ = 0x94;
+    *p++ = 'N';
+    *p++ = 0x87;
+    *p++ = 0x94;
+    *p++ = '.';
+    frame[0] = 0x95;
+    put_le(frame + 1, (uint64_t)(p - frame - 9), 8);
+    return p - buf;
+}
+
+/* CBOR head: major type and argument, shortest form (canonical). */
+static unsigned char *
+cbor_head(unsigned char *p, int major, uint64_t v)
+{
+    unsigned char m = (unsigned char)(major << 5);
+    if (v < 24) {
+        *p++ = m | (unsigned char)v;
+    } else if (v < 256) {
+        *p++ = m | 24; *p++ = (unsigned char)v;
+    } else if (v < 65536) {
+        *p++ = m | 25; put_be(p, v, 2); p += 2;
+    } else if (v < 0x100000000ULL) {
+        *p++ = m | 26; put_be(p, v, 4); p += 4;
+    } else {
+        *p++ = m | 27; put_be(p, v, 8); p += 8;
+    }
+    return p;
+}
+
+/* cbor2.dumps((parent, (ids...), None), canonical=True): array(3), bytes, array(n) of
+   unsigned ints, null. */
+static Py_ssize_t
+cbor_block(unsigned char *buf, const unsigned char *parent, Py_ssize_t plen,
+           const int64_t *ids, Py_ssize_t n)
+{
+    unsigned char *p = buf;
+    *p++ = 0x83;
+    p = cbor_head(p, 2, (uint64_t)plen);
+    memcpy(p, parent, (size_t)plen); p += plen;
+    p = cbor_head(p, 4, (uint64_t)n);
+    for (Py_ssize_t i = 0; i < n; i++)
+        p = cbor_head(p, 0, (uint64_t)ids[i]);
+    *p++ = 0xf6;
+    return p - buf;
+}
+
+/* chain_sha256(cbor, parent, tokens, start, stop, block_size) -> list[bytes]
+
+   The keys of the full blocks of tokens[start:stop] (a list of ints), chained from
+   `parent`, for blocks whose extra keys are None. */
+static PyObject *
+chain_sha256(PyObject *Py_UNUSED(self), PyObject *args)
+{
+    int cbor;
+    Py_buffer parent;
+    PyObject *tokens;
+    Py_ssize_t start, stop, size;
+    if (!PyArg_ParseTuple(args, "py*O!nnn", &cbor, &parent, &PyList_Type, &tokens,
+                          &start, &stop, &size))
+        return NULL;
+    PyObject *keys = NULL;
+    if (size <= 0 || size > MAX_BLOCK_TOKENS || parent.len > 255 || start < 0
+        || stop > PyList_GET_SIZE(tokens) || start > stop || (stop - start) % size) {
+        PyErr_SetString(PyExc_ValueError, "bad block range or parent");
+        goto done;
+    }
+    Py_ssize_t blocks = (stop - start) / size;
+    keys = PyList_New(blocks);
+    if (keys == NULL)
+        goto done;
+    unsigned char buf[BUF_BYTES];
+    int64_t ids[MAX_BLOCK_TOKENS];
+    unsigned char digest[SHA256_DIGEST_LENGTH];
+    const unsigned char *prev = parent.buf;
+    Py_ssize_t prev_len = parent.len;
+    for (Py_ssize_t b = 0; b < blocks; b++) {
+        Py_ssize_t first = start + b * size;
+        for (Py_ssize_t i = 0; i < size; i++) {
+            int64_t v = id_value(PyList_GET_ITEM(tokens, first + i));
+            if (v < 0) {
+                Py_CLEAR(keys);
+                goto done;
+            }
+            ids[i] = v;
+        }
+        Py_ssize_t len = cbor ? cbor_block(buf, prev, prev_len, ids, size)
+                              : pickle_block(buf, prev, prev_len, ids, size);
+        SHA256_CTX ctx;
+        SHA256_Init(&ctx);
+        SHA256_Update(&ctx, buf, (size_t)len);
+        SHA256_Final(digest, &ctx);
+        PyObject *key = PyBytes_FromStringAndSize((const char *)digest, SHA256_DIGEST_LENGTH);
+        if (key == NULL) {
+            Py_CLEAR(keys);
+            goto done;
+        }
+        PyList_SET_ITEM(keys, b, key);
+        prev = (const unsigned char *)PyBytes_AS_STRING(key);
+        prev_len = SHA256_DIGEST_LENGTH;
+    }
+done:
+    PyBuffer_Release(&parent);
+    return keys;
+}
+
+/* check_ids(ids, count=-1) -> bytes: ids[:count] as little-endian int64, each checked
+   to be an exact int in [0, 2**63); ValueError naming the first that is not. */
+static PyObject *
+check_ids(PyObject *Py_UNUSED(self), PyObject *args)
+{
+    PyObject *ids;
+    Py_ssize_t count = -1;
+    if (!PyArg_ParseTuple(args, "O!|n", &PyList_Type, &ids, &count))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    if (count >= 0 && count < n)
+        n = count;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (out == NULL)
+        return NULL;
+    unsigned char *p = (unsigned char *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t v = id_value(PyList_GET_ITEM(ids, i));
+        if (v < 0) {
+            Py_DECREF(out);
+            PyErr_Format(PyExc_ValueError, "token id at index %zd is not an integer in "
+                         "[0, 2**63)", i);
+            return NULL;
+        }
+        uint64_t le = (uint64_t)v;
+#if PY_BIG_ENDIAN
+        le = __builtin_bswap64(le);
+#endif
+        memcpy(p + 8 * i, &le, 8);
+    }
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"chain_sha256", chain_sha256, METH_VARARGS,
+     "chain_sha256(cbor, parent, tokens, start, stop, block_size) -> list[bytes]"},
+    {"check_ids", check_ids, METH_VARARGS,
+     "check_ids(ids, count=-1) -> bytes: little-endian int64, each id checked"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "router._keys",
+    "vLLM's sha256 block keys and the token-id check in C (router/native.py).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__keys(void)
+{
+    return PyModule_Create(&module);
+}
