@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import threading
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +16,7 @@ import pytest
 from aiohttp import web
 from servers import free_port, serving
 
+from router import completions
 from router.app import build_app, running_gateway
 from router.config import HealthConfig, ProxyConfig, build_config
 from router.hashing import HashConfig
@@ -632,6 +635,51 @@ async def test_gateway_injects_the_tenant_salt_and_forwards_tracing_headers() ->
         assert got[-1] == "[DONE]" and USAGE not in got  # usage chunk hidden: not asked for
     finally:
         await up.stop()
+
+
+async def test_a_whole_answer_goes_out_before_the_requests_bookkeeping(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-streamed answer reaches the client while the gateway still has the
+    request's bookkeeping to do: the bookkeeping (here: recording the outcome) waits,
+    holding the gateway's loop, until a client in another thread has read the whole
+    answer. Written after it, as aiohttp does with a returned response, the answer never
+    arrives within the wait (then the wait says so, and the answer follows it)."""
+    up = Upstream(ok_json, "replica")
+    await up.start()
+    port = free_port()
+    config = build_config({
+        "listen": {"host": "127.0.0.1", "port": port},
+        "replicas": [{"url": up.url, "models": ["m"]}],
+        "tenants": {"allow_anonymous": True},
+        "health": {"interval_s": 60},
+    }, {})
+    answered = threading.Event()
+    waits: list[bool] = []
+    record = completions.record_outcome
+
+    def record_after_the_client_has_it(*args: Any) -> None:
+        waits.append(answered.wait(timeout=10))
+        record(*args)
+
+    monkeypatch.setattr(completions, "record_outcome", record_after_the_client_has_it)
+
+    def client() -> dict[str, Any]:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions", method="POST",
+            data=json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+                            ).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            body: dict[str, Any] = json.loads(resp.read())
+        answered.set()
+        return body
+
+    try:
+        async with running_gateway(build_app(config), "127.0.0.1", port):
+            body = await asyncio.to_thread(client)
+    finally:
+        await up.stop()
+    assert body["choices"][0]["message"]["content"]
+    assert waits == [True]
 
 
 # ------------------------------------------------------------- requests that kill replicas
