@@ -25,9 +25,10 @@
 #include <stdint.h>
 #include <string.h>
 
-/* A block of up to 4096 tokens serializes within this many bytes (10 per id at most). */
+/* A block of up to 4096 tokens serializes within this many bytes: at most 10 per id
+   (LONG1), and the rest (opcodes, frame, a parent of up to 255 bytes) within 512. */
 #define MAX_BLOCK_TOKENS 4096
-#define BUF_BYTES (64 + 10 * MAX_BLOCK_TOKENS)
+#define BUF_BYTES (512 + 10 * MAX_BLOCK_TOKENS)
 
 /* One id as an int64, or -1 with ValueError set: exact ints only (bool is a subclass and
    pickles differently), non-negative, within int64. */

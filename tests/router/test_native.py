@@ -59,6 +59,17 @@ def test_keys_equal_the_python_path_for_any_ids(ids: list[int], parent: bytes,
     assert got == _python_keys(algo, parent, ids[:n], 16)
 
 
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+def test_the_largest_block_and_parent_it_takes_serialize_exactly(algo: str) -> None:
+    # 4,096 ids of the widest encoding after a 255-byte parent: the serialization's
+    # upper bound, which the extension's buffer must hold.
+    tokens = [2**63 - 1 - i for i in range(4096)]
+    parent = bytes(range(255))
+    assert native.chain_keys(algo, parent, tokens, 0, 4096, 4096) == \
+        _python_keys(algo, parent, tokens, 4096)
+    assert native.chain_keys(algo, parent, tokens * 2, 0, 8192, 8192) is None  # too long
+
+
 def test_a_run_inside_the_list_is_keyed_from_its_start() -> None:
     tokens = list(range(1000, 1064))
     parent = b"p" * 32
