@@ -35,7 +35,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -111,6 +111,28 @@ class SegmentCache:
             with self._lock:
                 del self._encoding[segment]
             done.set()
+
+    def lookup(self, segments: Sequence[str]) -> list[tuple[int, ...] | None]:
+        """Each segment's ids if cached (counted as a use), else None: under one lock.
+        A chat's next turn is some hundred segments, nearly all cached; one acquisition
+        for each (get_or_encode) cost more than the lookups themselves."""
+        found: list[tuple[int, ...] | None] = []
+        append = found.append
+        with self._lock:
+            entries = self._entries
+            for segment in segments:
+                ids = entries.get(segment)
+                if ids is not None:
+                    entries.move_to_end(segment)
+                append(ids)
+            self.stats.hits += sum(1 for ids in found if ids is not None)
+        return found
+
+    def missing_chars(self, segments: Iterable[str]) -> int:
+        """The characters of the segments not cached (not counted as a use)."""
+        with self._lock:
+            entries = self._entries
+            return sum(len(s) for s in segments if s not in entries)
 
     def peek(self, segment: str) -> tuple[int, ...] | None:
         """The segment's ids if cached (not counted as a use)."""
@@ -238,6 +260,7 @@ class PromptTokenizer:
         )
         self._added_ids = {t["content"]: t["id"] for t in parsed.get("added_tokens", [])}
         self._splitter = re.compile("(" + "|".join(re.escape(t) for t in added) + ")") if added else None
+        self._last_split: tuple[str, list[str]] | None = None
         self.segment_cache: SegmentCache | None = (
             SegmentCache(segment_cache_chars)
             if self._splitter is not None and _segment_cache_is_exact(parsed) else None
@@ -282,19 +305,34 @@ class PromptTokenizer:
 
     def encode_cached(self, text: str) -> list[int]:
         """Token ids of `text` without special tokens added, via the segment cache."""
-        cache, splitter = self.segment_cache, self._splitter
-        if cache is None or splitter is None:
+        cache = self.segment_cache
+        pieces = self._pieces(text)
+        if cache is None or pieces is None:
             return self.encode(text, add_special_tokens=False)
         ids: list[int] = []
-        for piece in splitter.split(text):
-            if not piece:
-                continue
-            special = self._added_ids.get(piece)
+        added = self._added_ids
+        for piece, cached in zip(pieces, cache.lookup(pieces), strict=True):
+            special = added.get(piece)
             if special is not None:
                 ids.append(special)
-                continue
-            ids.extend(cache.get_or_encode(piece, self._encode_segment))
+            else:
+                ids.extend(cached if cached is not None else
+                           cache.get_or_encode(piece, self._encode_segment))
         return ids
+
+    def _pieces(self, text: str) -> list[str] | None:
+        """`text` split at the tokenizer's added tokens, empty pieces left out; None
+        without a segment cache. The gateway asks twice for the same text (how much of
+        it is new, then its ids), so the last split is kept (one reference swap: a
+        thread that loses the race splits again)."""
+        if self.segment_cache is None or self._splitter is None:
+            return None
+        last = self._last_split
+        if last is not None and last[0] is text:
+            return last[1]
+        pieces = [p for p in self._splitter.split(text) if p]
+        self._last_split = (text, pieces)
+        return pieces
 
     def _encode_segment(self, piece: str) -> tuple[int, ...]:
         return tuple(self.encode(piece, add_special_tokens=False))
@@ -399,11 +437,12 @@ class PromptTokenizer:
     def uncached_chars(self, text: str, add_special_tokens: bool = False) -> int:
         """How much of `text` chat_ids would encode afresh: the segments the cache does
         not hold (all of it without the cache, or with special tokens added)."""
-        cache, splitter = self.segment_cache, self._splitter
-        if add_special_tokens or cache is None or splitter is None:
+        cache = self.segment_cache
+        pieces = None if add_special_tokens else self._pieces(text)
+        if cache is None or pieces is None:
             return len(text)
-        return sum(len(piece) for piece in splitter.split(text)
-                   if piece and piece not in self._added_ids and not cache.holds(piece))
+        added = self._added_ids
+        return cache.missing_chars(p for p in pieces if p not in added)
 
     def long_uncached_pieces(self, text: str, min_chars: int) -> list[str]:
         """The pieces of `text` (between special tokens) of at least `min_chars` that the

@@ -480,3 +480,28 @@ def test_when_the_encoding_thread_fails_a_waiting_one_encodes() -> None:
     second.join(30)
     assert len(errors) == 1 and got == [(4,)]
     assert cache.holds("seg")
+
+
+def test_lookup_answers_every_segment_under_one_lock_and_keeps_lru_order() -> None:
+    cache = SegmentCache(max_chars=6)
+    for segment, ids in (("aa", (1,)), ("bb", (2,)), ("cc", (3,))):
+        cache.put(segment, ids)
+    assert cache.lookup(["aa", "zz", "cc"]) == [(1,), None, (3,)]
+    assert (cache.stats.hits, cache.stats.misses) == (2, 0)  # a miss is get_or_encode's
+    assert cache.missing_chars(["aa", "zzz", "bb", "q"]) == 4
+    cache.put("dd", (4,))  # over 6 chars: the least recently used goes, "bb" (not looked up)
+    assert cache.lookup(["aa", "bb", "cc", "dd"]) == [(1,), None, (3,), (4,)]
+
+
+def test_how_much_is_new_then_the_ids_of_the_same_text(tiny_model_dir: Path) -> None:
+    # The gateway asks uncached_chars, then chat_ids, of one rendered text (the split is
+    # kept between them); a different text after it must not get the kept split.
+    tok = PromptTokenizer.from_dir(tiny_model_dir)
+    rng = random.Random(5)
+    first = tok.render_chat({"messages": _random_conversation(rng)})
+    second = tok.render_chat({"messages": _random_conversation(rng)})
+    assert 0 < tok.uncached_chars(first) <= len(first)  # nothing cached yet
+    assert tok.chat_ids(first, False, {}) == tok.encode(first, add_special_tokens=False)
+    assert tok.uncached_chars(first) == 0  # every piece is cached now
+    assert tok.chat_ids(second, False, {}) == tok.encode(second, add_special_tokens=False)
+    assert tok.chat_ids(first, False, {}) == tok.encode(first, add_special_tokens=False)
