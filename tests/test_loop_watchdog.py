@@ -15,13 +15,15 @@ decoding that body on its loop). 400 ms passes both runs and still catches a
 from __future__ import annotations
 
 import asyncio
+import gc
+import random
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from loop_watchdog import LoopWatchdog
+from loop_watchdog import LoopWatchdog, describe
 
 TESTS = Path(__file__).resolve().parent
 
@@ -47,6 +49,57 @@ async def test_waiting_without_blocking_is_not_a_stall() -> None:
     await asyncio.sleep(0.3)  # idle in the selector
     await asyncio.to_thread(time.sleep, 0.3)  # blocking, but off the loop
     assert watchdog.stop() == []
+
+
+def _slow_heap() -> tuple[list[list[object]], float]:
+    """A heap whose full collection takes ~0.5 s here, and how long one took.
+
+    Two million lists, each pointing at a random other, so the collector walks memory
+    in no useful order, as it does in the test process late in the suite.
+    """
+    rnd = random.Random(7)
+    heap: list[list[object]] = [[] for _ in range(2_000_000)]
+    for item in heap:
+        item.append(heap[rnd.randrange(len(heap))])
+    start = time.perf_counter()
+    gc.collect()
+    return heap, time.perf_counter() - start
+
+
+@pytest.mark.allow_loop_blocking
+async def test_a_stall_is_measured_net_of_garbage_collection() -> None:
+    heap, collect_s = _slow_heap()
+    assert collect_s >= 0.1, f"the heap collected in {collect_s:.3f} s: too fast to test"
+    threshold = min(0.4, collect_s / 2)
+
+    async def stall(after_s: float) -> LoopWatchdog:
+        watchdog = LoopWatchdog(asyncio.get_running_loop(), threshold_s=threshold).start()
+        await asyncio.sleep(threshold)
+        # Hold the loop long enough for a ping to be in flight (one goes every
+        # threshold/4), collect, then stay in the callback with the GIL released so the
+        # watchdog samples the loop thread while it is still busy: CI's shape (stop 29),
+        # where the loop thread waited for the GIL inside a zmq recv.
+        time.sleep(threshold * 0.35)  # noqa: ASYNC251
+        gc.collect()
+        time.sleep(after_s)  # noqa: ASYNC251
+        await asyncio.sleep(0.05)
+        watchdog.stop()
+        return watchdog
+
+    excused = await stall(after_s=threshold / 8)
+    assert excused.blocks == []
+    assert len(excused.excused) == 1, "the watchdog did not see the collection's stall"
+    assert excused.excused[0].gc_seconds >= collect_s / 2
+    assert excused.excused[0].seconds > threshold
+
+    caught = await stall(after_s=threshold * 1.5)
+    assert len(caught.blocks) == 1
+    block = caught.blocks[0]
+    assert block.seconds - block.gc_seconds >= threshold
+    assert block.gc_seconds >= collect_s / 2
+    assert "in stall" in block.stack  # sampled in the collection's end or the sleep after
+    assert "ms of it garbage collection" in describe(caught.blocks, threshold)
+    del heap
 
 
 def test_an_async_test_that_blocks_its_loop_fails(tmp_path: Path) -> None:
