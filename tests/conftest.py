@@ -21,6 +21,7 @@ from loop_watchdog import (  # noqa: F401
     pytest_collection_modifyitems,
     pytest_configure,
     pytest_runtest_call,
+    pytest_terminal_summary,
 )
 from servers import REPO, RedisServer, free_port
 from vllm_server import VllmServer, start_vllm_server

@@ -42,6 +42,8 @@ import pytest
 # above the suite's worst stall under heavy load, below a time.sleep(0.5).
 BLOCK_THRESHOLD_S = 0.4
 FIXTURE = "loop_watchdog"
+# Every stall garbage collection explained, this session: the terminal summary counts them.
+EXCUSED: list[Block] = []
 
 
 @dataclass
@@ -168,9 +170,12 @@ class LoopWatchdog:
             end = time.monotonic()
             block.seconds = end - sent
             block.gc_seconds = self.collector.within(sent, end)
-            if block.seconds - block.gc_seconds < self.threshold_s:
+            # (Unless a test that ended meanwhile took the block to fail with: settle()
+            # waits only so long.)
+            if block.seconds - block.gc_seconds < self.threshold_s and block in self.blocks:
                 self.blocks.remove(block)
                 self.excused.append(block)
+                EXCUSED.append(block)
             self._settled.set()
 
     def _loop_stack(self) -> str | None:
@@ -220,6 +225,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 and item.get_closest_marker("allow_loop_blocking") is None
                 and FIXTURE not in item.fixturenames):
             item.fixturenames.insert(0, FIXTURE)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    # Visible, not silent: how often collection stalled a loop past the threshold.
+    if EXCUSED:
+        longest = max(EXCUSED, key=lambda b: b.seconds)
+        terminalreporter.write_line(
+            f"loop watchdog: {len(EXCUSED)} stall(s) over the threshold were garbage "
+            f"collection; the longest {longest.seconds * 1000:.0f} ms, "
+            f"{longest.gc_seconds * 1000:.0f} ms of it collecting")
 
 
 @pytest.hookimpl(wrapper=True)
