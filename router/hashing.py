@@ -220,6 +220,31 @@ def event_key(digest: bytes) -> int:
     return int.from_bytes(digest, "big") & _EVENT_KEY_MASK
 
 
+def _run_keys(algo: str, parent: bytes, tokens: list[int], start: int, stop: int,
+              size: int, extra: tuple[Any, ...] | None) -> list[bytes]:
+    """The keys of the full blocks of tokens[start:stop], each with `extra`, after
+    `parent`: in C where the extension takes them, else chain_blocks' loop."""
+    native = None if extra is not None else chain_keys(algo, parent, tokens, start, stop, size)
+    if native is not None:
+        return native
+    # zip over one iterator, `size` times: the full blocks as tuples, made in C.
+    blocks = zip(*[iter(tokens[start:stop])] * size, strict=False)
+    return chain_blocks(algo, parent, blocks, extra)
+
+
+def continue_keys(config: HashConfig, parent: bytes, tokens: list[int], start: int,
+                  stop: int) -> list[bytes]:
+    """The keys BlockChain.extend gives the full blocks of tokens[start:stop] of a plain
+    chain (no LoRA, no multimodal items) whose block start/size - 1 has key `parent`;
+    `start` is past block 0 and on a block boundary. Nothing before `start` is read, so
+    a conversation's next turn is keyed without copying its history (ChainCache)."""
+    size = config.block_size
+    if start < size or start % size:
+        raise ValueError(f"continue_keys starts past block 0 on a block boundary, not at {start}")
+    return _run_keys(config.algo, parent, tokens, start, stop - (stop - start) % size, size,
+                     block_extra_keys(size, 2 * size))
+
+
 @dataclass
 class BlockChain:
     """The keys of one token sequence's full blocks, extended as the sequence grows.
@@ -278,15 +303,8 @@ class BlockChain:
             start = end
         full_end = len(tokens) - len(tokens) % size
         if start < full_end:
-            extra = block_extra_keys(size, 2 * size, lora=self.lora)
-            native = None if extra is not None else chain_keys(
-                self.config.algo, parent, tokens, start, full_end, size)
-            if native is not None:
-                added += native
-            else:
-                # zip over one iterator, `size` times: the full blocks as tuples, made in C.
-                blocks = zip(*[iter(tokens[start:full_end])] * size, strict=False)
-                added += chain_blocks(self.config.algo, parent, blocks, extra)
+            added += _run_keys(self.config.algo, parent, tokens, start, full_end, size,
+                               block_extra_keys(size, 2 * size, lora=self.lora))
         self.keys.extend(added)
         return added
 

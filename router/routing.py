@@ -28,7 +28,13 @@ from typing import Any, Protocol
 import xxhash
 
 from router.arrival_order import NO_TURN, TurnLike
-from router.hashing import BlockChain, HashConfig, event_key, max_cacheable_blocks
+from router.hashing import (
+    BlockChain,
+    HashConfig,
+    continue_keys,
+    event_key,
+    max_cacheable_blocks,
+)
 from router.index import IndexUnavailable, PrefixIndex
 from router.native import pack_ids
 from router.outstanding import WorkView, fleet_bias, with_prior
@@ -123,8 +129,8 @@ class ChainCache:
         n = len(tokens) // size
         if n == 0:
             return []
-        data = memoryview(pack_ids(tokens if isinstance(tokens, list) else list(tokens),
-                                   n * size))
+        ids = tokens if isinstance(tokens, list) else list(tokens)
+        data = memoryview(pack_ids(ids, n * size))
         step = size * 8
         head = repr((config.algo, size, config.resolved_seed(), cache_salt)).encode()
 
@@ -149,13 +155,15 @@ class ChainCache:
                 return found.event_keys[:n]
             if probe is not None and n - reused > 2 * probe:
                 n = reused + probe
-            known_digests = found.digests[:reused] if found is not None else []
-            known_events = found.event_keys[:reused] if found is not None else []
-        chain = BlockChain(config, cache_salt=cache_salt)
-        chain.tokens = list(tokens[: reused * size])
-        chain.keys = known_digests
         # Python ints already (msgspec checked a request's ids; a tokenizer's are ints).
-        added = chain.extend(tokens[reused * size: n * size], checked=True)
+        # A remembered prefix is continued from its last key: the history before it is
+        # neither copied nor read (a growing conversation's every turn).
+        if found is None:
+            added = BlockChain(config, cache_salt=cache_salt).extend(ids[: n * size],
+                                                                      checked=True)
+        else:
+            added = continue_keys(config, found.digests[reused - 1], ids, reused * size,
+                                  n * size)
         added_events = _event_keys(added)
         fp = xxhash.xxh3_128(head)
         fp.update(data[: reused * step])
@@ -170,7 +178,11 @@ class ChainCache:
                 owner.digests.extend(added)
                 owner.event_keys.extend(added_events)
             else:
-                owner = _Chain(digests=chain.keys, event_keys=known_events + added_events)
+                # A new chain, or a branch off a remembered one: it takes that one's keys up
+                # to the branch (a chain's lists only ever grow, so this prefix is as read).
+                known = found.digests[:reused] if found is not None else []
+                known_events = found.event_keys[:reused] if found is not None else []
+                owner = _Chain(digests=known + added, event_keys=known_events + added_events)
                 self._chains[id(owner)] = owner
             self._memo.update(dict.fromkeys(prints, owner))
             owner.prints.extend(prints)

@@ -22,6 +22,7 @@ from router.hashing import (
     UnknownSeedError,
     block_extra_keys,
     chain_hashes,
+    continue_keys,
     event_key,
     hash_block,
     max_cacheable_blocks,
@@ -195,6 +196,29 @@ def test_fork_reuses_shared_keys(base: list[int], tail: list[int], keep: int) ->
     assert child.keys == chain_hashes(CONFIG, other)
     shared = shared_prefix_blocks(base, other, CONFIG.block_size)
     assert all(child.keys[i] is parent.keys[i] for i in range(min(shared, len(child.keys))))
+
+
+@pytest.mark.parametrize("algo", sorted(HASH_ALGOS))
+@pytest.mark.parametrize("native_on", [True, False])
+def test_continue_keys_are_the_chains_keys_past_a_cut(
+        algo: str, native_on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from router import native
+
+    if not native_on:
+        monkeypatch.setattr(native, "_keys", None)
+    config = HashConfig(algo=algo, block_size=16, seed="5")
+    rng = random.Random(algo)
+    tokens = [rng.randrange(150_000) for _ in range(16 * 30 + 7)]
+    whole = chain_hashes(config, tokens, cache_salt="s")
+    for cut in (1, 2, 17, 29):
+        # From the last key before the cut, reading nothing before it: the same keys,
+        # the trailing partial block left out.
+        assert continue_keys(config, whole[cut - 1], tokens, cut * 16, len(tokens)) == whole[cut:]
+        assert continue_keys(config, whole[cut - 1], tokens, cut * 16, cut * 16 + 40) == \
+            whole[cut:cut + 2]
+    for start in (0, 8, 33):  # block 0 carries the salt; a cut inside a block is no cut
+        with pytest.raises(ValueError, match="block boundary"):
+            continue_keys(config, whole[0], tokens, start, len(tokens))
 
 
 def test_event_key_is_last_eight_bytes() -> None:

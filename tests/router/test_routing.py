@@ -146,6 +146,24 @@ def test_chain_cache_grows_a_conversation_in_place_hashing_only_the_turn() -> No
     assert cache.blocks == 512 + 5 * 16 and len(cache._chains) == 1
 
 
+def test_chain_cache_branches_off_a_chain_that_grew_since() -> None:
+    # A conversation grows in place; then a request shares only its first turns (a
+    # retried turn, an edited message): the branch takes the grown chain's keys up to
+    # where they part and continues from there, and the grown chain is unchanged.
+    cache = ChainCache()
+    history = list(range(16 * 40))
+    cache.event_keys(CONFIG, history, "s")
+    for turn in range(3):
+        history += list(range(9000 + 100 * turn, 9000 + 100 * turn + 64))
+        cache.event_keys(CONFIG, history, "s")
+    branch = [*history[: 16 * 44 + 5], *range(60_000, 60_000 + 16 * 6)]
+    # ... and the branch grows in turn, keyed on from its own chain's last key.
+    for tokens in (branch, history, branch[: 16 * 47], [*branch, *range(70_000, 70_032)]):
+        keys = cache.event_keys(CONFIG, tokens, "s")
+        assert keys == [event_key(d) for d in chain_hashes(CONFIG, tokens, cache_salt="s")]
+    assert cache.hashed_blocks == 40 + 3 * 4 + (len(branch) // 16 - 44) + 2
+
+
 def test_prepare_prompt_without_tokenizer_keys_token_id_prompts_only() -> None:
     parsed = parse_body(completion(list(range(40))), "completions")
     prompt = prepare_prompt(None, ChainCache(), parsed, [CONFIG], None)
