@@ -96,9 +96,10 @@ class ChainCache:
     and the token bytes of blocks 0..k-1: far cheaper than vLLM's pickle+sha256 key, and
     computed in C. Each remembered prefix points at the chain holding its keys, so a
     request finds its longest remembered prefix by binary search (log2(n) fingerprints,
-    not n), takes that chain's keys up to there, and computes real keys
-    (router.hashing.BlockChain) and fingerprints only for the blocks after it. A
-    conversation growing a turn extends its chain in place.
+    not n), takes that chain's keys up to there, and computes real keys and fingerprints
+    only for the blocks after it (router.hashing.continue_keys, from the last remembered
+    key: the history is not read again). A conversation growing a turn extends its chain
+    in place.
 
     Eviction is LRU by chain, bounded in fingerprints. A chain's prefixes are remembered
     and forgotten together, so presence is monotone along a chain, which the binary
