@@ -126,3 +126,45 @@ def test_an_async_test_that_blocks_its_loop_fails(tmp_path: Path) -> None:
     assert "1 failed, 1 passed" in out, out
     assert "the event loop was blocked 1 time(s) for more than 400 ms" in out
     assert "time.sleep(1.0)" in out and "test_blocks" in out
+
+
+def test_a_collection_fails_no_test_and_the_summary_counts_it(tmp_path: Path) -> None:
+    (tmp_path / "conftest.py").write_text(
+        "from loop_watchdog import loop_watchdog_fixture, pytest_collection_modifyitems, "
+        "pytest_configure, pytest_runtest_call, pytest_terminal_summary  # noqa: F401\n")
+    # The heap is built by a sync fixture, off the running loop; each test holds its
+    # loop (a ping in flight), collects, and stays in its callback a little: the shape
+    # of test_a_stall_is_measured_net_of_garbage_collection, under the fixture.
+    (tmp_path / "test_collects.py").write_text(
+        "import asyncio, gc, random, time\n"
+        "import pytest\n\n"
+        "@pytest.fixture(scope='module')\n"
+        "def heap():\n"
+        "    rnd = random.Random(7)\n"
+        "    items = [[] for _ in range(2_000_000)]\n"
+        "    for item in items:\n"
+        "        item.append(items[rnd.randrange(len(items))])\n"
+        "    return items\n\n"
+        "async def stall(after_s):\n"
+        "    await asyncio.sleep(0.2)\n"
+        "    time.sleep(0.07)\n"
+        "    gc.collect()\n"
+        "    time.sleep(after_s)\n"
+        "    await asyncio.sleep(0.05)\n\n"
+        "async def test_collects(heap):\n"
+        "    await stall(0.025)\n\n"
+        "async def test_collects_then_blocks(heap):\n"
+        "    await stall(0.5)\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_mode = auto\n"
+                                         "asyncio_default_fixture_loop_scope = function\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={"PYTHONPATH": str(TESTS), "PATH": "/usr/bin:/bin",
+             "CACHEROUTE_LOOP_BLOCK_MS": "200"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "1 failed, 1 passed" in out, out
+    assert "FAILED test_collects.py::test_collects_then_blocks" in out, out
+    assert "ms of it garbage collection), loop thread at" in out, out
+    assert "loop watchdog: 1 stall(s) over the threshold were garbage collection" in out, out
