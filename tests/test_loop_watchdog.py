@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import random
 import subprocess
 import sys
@@ -168,3 +169,71 @@ def test_a_collection_fails_no_test_and_the_summary_counts_it(tmp_path: Path) ->
     assert "FAILED test_collects.py::test_collects_then_blocks" in out, out
     assert "ms of it garbage collection), loop thread at" in out, out
     assert "loop watchdog: 1 stall(s) over the threshold were garbage collection" in out, out
+
+
+# Runs in its own process: it starts a process that spins on one CPU, then pins its
+# loop thread to that CPU at the lowest priority (after, so the spinner does not inherit
+# it), so the kernel keeps the loop thread waiting for its turn. The watchdog's thread is started first, so it keeps every CPU
+# and the normal priority, and sees the stall as it happens.
+STARVED_LOOP = r'''
+import asyncio, dataclasses, json, os, sys, threading, time
+from loop_watchdog import LoopWatchdog
+
+def spend_cpu(seconds):
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        pass
+
+async def main(threshold, cpu_s, sleep_s):
+    watchdog = LoopWatchdog(asyncio.get_running_loop(), threshold).start()
+    cpu = max(os.sched_getaffinity(0))
+    spin = f"import os; os.sched_setaffinity(0, {{{cpu}}}); print(flush=True)\nwhile True: pass"
+    hog = await asyncio.create_subprocess_exec(sys.executable, "-c", spin,
+                                               stdout=asyncio.subprocess.PIPE)
+    try:
+        await hog.stdout.readline()  # spinning on that CPU now, at the usual priority
+        os.sched_setaffinity(0, {cpu})  # the calling thread only, on Linux
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        spend_cpu(cpu_s)
+        time.sleep(sleep_s)
+        await asyncio.sleep(threshold / 2)
+    finally:
+        hog.kill()
+        await hog.wait()
+    watchdog.stop()
+    print(json.dumps({k: [dataclasses.asdict(b) for b in getattr(watchdog, k)]
+                      for k in ("blocks", "excused")}))
+
+asyncio.run(main(*map(float, sys.argv[1:])))
+'''
+
+
+def starve_loop(threshold_s: float, cpu_s: float, sleep_s: float) -> dict[str, list[dict]]:
+    """Run STARVED_LOOP; the watchdog's stalls and excused stalls, as dicts."""
+    proc = subprocess.run(
+        [sys.executable, "-c", STARVED_LOOP, str(threshold_s), str(cpu_s), str(sleep_s)],
+        capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(TESTS)})
+    assert proc.returncode == 0, proc.stderr
+    result: dict[str, list[dict]] = json.loads(proc.stdout.splitlines()[-1])
+    return result
+
+
+def test_a_loop_thread_starved_of_cpu_is_not_a_stall_but_its_sleep_still_is() -> None:
+    threshold = 0.2
+    # 20 ms of work at nice 19 beside a spinning nice-0 process on the same CPU: the
+    # kernel gives it about 1.5% of that CPU, so the work takes about a second.
+    starved = starve_loop(threshold, cpu_s=0.02, sleep_s=0.0)
+    assert starved["blocks"] == [], starved
+    assert len(starved["excused"]) >= 1, f"the loop was never starved: {starved}"
+    longest = max(starved["excused"], key=lambda b: b["seconds"])
+    assert longest["seconds"] > threshold
+    assert longest["cpu_wait_seconds"] > longest["seconds"] - threshold
+    assert longest["on_cpu_seconds"] < threshold
+
+    # The same, then a sleep on the loop longer than the threshold: waiting for a CPU
+    # does not hide it.
+    slept = starve_loop(threshold, cpu_s=0.02, sleep_s=threshold * 2)
+    assert len(slept["blocks"]) == 1, slept
+    block = slept["blocks"][0]
+    assert block["seconds"] - block["cpu_wait_seconds"] >= threshold * 2 * 0.9
+    assert "time.sleep(sleep_s)" in block["stack"] or "spend_cpu" in block["stack"]
