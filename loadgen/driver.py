@@ -61,6 +61,9 @@ class RequestRecord:
     replica: str | None = None
     # What the gateway expected the replica to have cached (its index's view).
     predicted_cached_tokens: int | None = None
+    # Where the gateway's time went (its Server-Timing header: parse, route, admit,
+    # upstream; router/completions.py Stages), for a run's analysis.
+    server_timing: str | None = None
     answer_from_server: bool = False
     chunk_times_s: list[float] = field(default_factory=list)
     # Kept for the oracles; left out of results.json (large).
@@ -315,6 +318,7 @@ class Driver:
             predicted = resp.headers.get(PREDICTED_HEADER)
             if predicted is not None and predicted.isdigit():
                 rec.predicted_cached_tokens = int(predicted)
+            rec.server_timing = resp.headers.get("Server-Timing")
             if resp.status != 200:
                 text = (await resp.text())[:300]
                 rec.error = f"HTTP {resp.status}: {text}"

@@ -63,6 +63,12 @@ def test_compare_two_policies_end_to_end(tmp_path: Path, tiny_model_dir: Path) -
         # turns 80 each (5 blocks of 83 computed tokens); third turns 96 each.
         assert row["oracle_unlimited_hit_rate"] == pytest.approx(656 / 900)
         assert row["oracle_pooled_hit_rate"] == pytest.approx(656 / 900)
+    # Every request says where the gateway's time went (its Server-Timing header).
+    for policy in rows:
+        for request in data["requests"][policy]:
+            timing = request["server_timing"]
+            assert timing and all(f"{stage};dur=" in timing
+                                  for stage in ("parse", "route", "admit", "upstream")), timing
     # Round robin alternates the two replicas, request i on replica i % 2, while request i
     # is turn i // 3 of conversation i % 3: worked through by hand, 0 + 0 + 64 * 4 (the
     # system prompt) + 80 * 3 (each third turn finds its own first turn) = 496 tokens.
