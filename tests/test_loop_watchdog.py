@@ -103,68 +103,68 @@ async def test_a_stall_is_measured_net_of_garbage_collection() -> None:
     del heap
 
 
-def test_an_async_test_that_blocks_its_loop_fails(tmp_path: Path) -> None:
-    (tmp_path / "conftest.py").write_text(
-        "from loop_watchdog import loop_watchdog_fixture, pytest_collection_modifyitems, "
-        "pytest_configure, pytest_runtest_call  # noqa: F401\n")
-    (tmp_path / "test_blocks.py").write_text(
-        "import asyncio, time\n\n"
-        "async def test_blocks():\n"
-        "    await asyncio.sleep(0.01)\n"
-        # 1 s, not 0.5: the watchdog pings every threshold/4 (0.1 s), so a block must
-        # outlast threshold + one interval to be seen for certain; 0.5 s sat on the edge.
-        "    time.sleep(1.0)\n\n"
-        "async def test_does_not_block():\n"
-        "    await asyncio.sleep(0.3)\n")
+def run_pytest(tmp_path: Path, hooks: str, tests: dict[str, str],
+               **env: str) -> tuple[int, str]:
+    """pytest in a fresh process on `tests` (file name -> source) in tmp_path, with the
+    watchdog's `hooks` (names from loop_watchdog) in its conftest; exit code and output."""
+    (tmp_path / "conftest.py").write_text(f"from loop_watchdog import {hooks}  # noqa: F401\n")
+    for name, source in tests.items():
+        (tmp_path / name).write_text(source)
     (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_mode = auto\n"
                                          "asyncio_default_fixture_loop_scope = function\n")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
-        env={"PYTHONPATH": str(TESTS), "PATH": "/usr/bin:/bin"})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out
+        env={"PYTHONPATH": str(TESTS), "PATH": "/usr/bin:/bin", **env})
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_an_async_test_that_blocks_its_loop_fails(tmp_path: Path) -> None:
+    returncode, out = run_pytest(
+        tmp_path, "loop_watchdog_fixture, pytest_collection_modifyitems, pytest_configure, "
+        "pytest_runtest_call", {"test_blocks.py": (
+            "import asyncio, time\n\n"
+            "async def test_blocks():\n"
+            "    await asyncio.sleep(0.01)\n"
+            # 1 s, not 0.5: the watchdog pings every threshold/4 (0.1 s), so a block must
+            # outlast threshold + one interval to be seen for certain; 0.5 s sat on the edge.
+            "    time.sleep(1.0)\n\n"
+            "async def test_does_not_block():\n"
+            "    await asyncio.sleep(0.3)\n")})
+    assert returncode == 1, out
     assert "1 failed, 1 passed" in out, out
     assert "the event loop was blocked 1 time(s) for more than 400 ms" in out
     assert "time.sleep(1.0)" in out and "test_blocks" in out
 
 
 def test_a_collection_fails_no_test_and_the_summary_counts_it(tmp_path: Path) -> None:
-    (tmp_path / "conftest.py").write_text(
-        "from loop_watchdog import loop_watchdog_fixture, pytest_collection_modifyitems, "
-        "pytest_configure, pytest_runtest_call, pytest_terminal_summary  # noqa: F401\n")
     # The heap is built by a sync fixture, off the running loop; each test holds its
     # loop (a ping in flight), collects, and stays in its callback a little: the shape
     # of test_a_stall_is_measured_net_of_garbage_collection, under the fixture.
-    (tmp_path / "test_collects.py").write_text(
-        "import asyncio, gc, random, time\n"
-        "import pytest\n\n"
-        "@pytest.fixture(scope='module')\n"
-        "def heap():\n"
-        "    rnd = random.Random(7)\n"
-        "    items = [[] for _ in range(2_000_000)]\n"
-        "    for item in items:\n"
-        "        item.append(items[rnd.randrange(len(items))])\n"
-        "    return items\n\n"
-        "async def stall(after_s):\n"
-        "    await asyncio.sleep(0.2)\n"
-        "    time.sleep(0.07)\n"
-        "    gc.collect()\n"
-        "    time.sleep(after_s)\n"
-        "    await asyncio.sleep(0.05)\n\n"
-        "async def test_collects(heap):\n"
-        "    await stall(0.025)\n\n"
-        "async def test_collects_then_blocks(heap):\n"
-        "    await stall(0.5)\n")
-    (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_mode = auto\n"
-                                         "asyncio_default_fixture_loop_scope = function\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-        env={"PYTHONPATH": str(TESTS), "PATH": "/usr/bin:/bin",
-             "CACHEROUTE_LOOP_BLOCK_MS": "200"})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out
+    returncode, out = run_pytest(
+        tmp_path, "loop_watchdog_fixture, pytest_collection_modifyitems, pytest_configure, "
+        "pytest_runtest_call, pytest_terminal_summary", {"test_collects.py": (
+            "import asyncio, gc, random, time\n"
+            "import pytest\n\n"
+            "@pytest.fixture(scope='module')\n"
+            "def heap():\n"
+            "    rnd = random.Random(7)\n"
+            "    items = [[] for _ in range(2_000_000)]\n"
+            "    for item in items:\n"
+            "        item.append(items[rnd.randrange(len(items))])\n"
+            "    return items\n\n"
+            "async def stall(after_s):\n"
+            "    await asyncio.sleep(0.2)\n"
+            "    time.sleep(0.07)\n"
+            "    gc.collect()\n"
+            "    time.sleep(after_s)\n"
+            "    await asyncio.sleep(0.05)\n\n"
+            "async def test_collects(heap):\n"
+            "    await stall(0.025)\n\n"
+            "async def test_collects_then_blocks(heap):\n"
+            "    await stall(0.5)\n")},
+        CACHEROUTE_LOOP_BLOCK_MS="200")
+    assert returncode == 1, out
     assert "1 failed, 1 passed" in out, out
     assert "FAILED test_collects.py::test_collects_then_blocks" in out, out
     assert "ms of it garbage collection), loop thread at" in out, out
@@ -173,8 +173,9 @@ def test_a_collection_fails_no_test_and_the_summary_counts_it(tmp_path: Path) ->
 
 # Runs in its own process: it starts a process that spins on one CPU, then pins its
 # loop thread to that CPU at the lowest priority (after, so the spinner does not inherit
-# it), so the kernel keeps the loop thread waiting for its turn. The watchdog's thread is started first, so it keeps every CPU
-# and the normal priority, and sees the stall as it happens.
+# it), so the kernel keeps the loop thread waiting for its turn. The watchdog's thread is
+# started first, so it keeps every CPU and the normal priority, and sees the stall as it
+# happens.
 STARVED_LOOP = r'''
 import asyncio, dataclasses, json, os, sys, threading, time
 from loop_watchdog import LoopWatchdog
