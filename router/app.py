@@ -45,7 +45,7 @@ from router.handlers import (
     handle_ready,
     request_context,
 )
-from router.index import IndexUnavailable, MemoryIndex, RedisIndex
+from router.index import IndexUnavailable, MemoryIndex, MirroredIndex, RedisIndex
 from router.metrics import (
     Bounded,
     GatewayMetrics,
@@ -145,7 +145,10 @@ async def _index_ctx(app: web.Application) -> AsyncIterator[None]:
     if cfg.is_redis:
         redis = RedisIndex.from_url(cfg.backend, password=cfg.password, ca_file=cfg.tls_ca_file,
                                     capacity_blocks=cfg.record_capacity_blocks)
-        gw.index = redis
+        # With every replica's events mirrored here, lookups stay in this process and
+        # Redis keeps what only gateways know (router/index/mirror.py).
+        gw.index = (MirroredIndex(redis, MemoryIndex(capacity_blocks=cfg.record_capacity_blocks))
+                    if cfg.mirror_events else redis)
         try:
             # Connections and scripts ready before the first request: a cold pool makes
             # the first concurrent lookups miss their deadline (issue #16).
@@ -166,6 +169,12 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
                   rng=gw.rng)
     gw.fleet = fleet
     fleet.listeners.added.append(_set_mode)
+    if isinstance(gw.index, MirroredIndex):
+        mirror = gw.index
+        fleet.listeners.added.append(
+            lambda r: mirror.answer_from_shared(r.replica_id, r.mode != "events"))
+        fleet.listeners.removed.append(
+            lambda r: mirror.answer_from_shared(r.replica_id, False))
     # Ejections are counted by the proxy, the only caller of report_failure; a listener
     # recording them too would count each one twice.
     gw.pipeline = RoutingPipeline(
@@ -223,9 +232,10 @@ def _shared_work(gw: Gateway, fleet: Fleet) -> SharedWork | None:
     """With a Redis index (and policy.share_work), this gateway's outstanding work per
     replica is shared with the other gateways through it, and theirs read with each
     lookup (router/shared_work.py)."""
-    if not (isinstance(gw.index, RedisIndex) and gw.config.policy.share_work):
+    redis = gw.redis
+    if redis is None or not gw.config.policy.share_work:
         return None
-    shared = SharedWork(gw.index.client)
+    shared = SharedWork(redis.client)
 
     def share(replica: Replica) -> None:
         def changed(now: float) -> None:
@@ -240,9 +250,10 @@ def _shared_segments(gw: Gateway) -> SharedSegments | None:
     """With a Redis index (and index.share_segments), the token ids of long prompt
     pieces are shared with the other gateways through it (router/shared_segments.py)."""
     cfg = gw.config.index
-    if not (isinstance(gw.index, RedisIndex) and cfg.share_segments):
+    redis = gw.redis
+    if redis is None or not cfg.share_segments:
         return None
-    return SharedSegments(gw.index.client, ttl_s=cfg.segment_ttl_s,
+    return SharedSegments(redis.client, ttl_s=cfg.segment_ttl_s,
                           timeout_s=cfg.deadline_ms / 1000.0)
 
 
@@ -251,14 +262,16 @@ def _set_mode(replica: Replica) -> None:
 
 
 async def _indexer_ctx(app: web.Application) -> AsyncIterator[None]:
-    """An in-gateway KV-event indexer: only with a memory index (a Redis index is fed by
-    the separate `python -m router indexer`) and only for replicas that publish events."""
+    """An in-gateway KV-event indexer, for replicas that publish events: it feeds a memory
+    index, or the mirror of a Redis index (router/index/mirror.py). A Redis index itself
+    is fed by the separate `python -m router indexer`."""
     gw = app[GATEWAY]
     assert gw.fleet is not None and gw.index is not None
-    if gw.config.index.is_redis or not any(r.kv_events for r in gw.config.replicas):
+    index = gw.index.local if isinstance(gw.index, MirroredIndex) else gw.index
+    if isinstance(index, RedisIndex) or not any(r.kv_events for r in gw.config.replicas):
         yield
         return
-    indexer = EventIndexer(gw.index)
+    indexer = EventIndexer(index)
     gw.indexer = indexer
     fleet = gw.fleet
 
@@ -341,8 +354,9 @@ def _bounded(gw: Gateway) -> list[Bounded]:
         if gw.pipeline.pending is not None:
             pending = gw.pipeline.pending
             out.append(Bounded("pending", pending.blocks, pending.capacity_blocks))
-    if isinstance(gw.index, MemoryIndex):
-        out.append(Bounded("index", gw.index.blocks, None))
+    if isinstance(gw.index, MemoryIndex | MirroredIndex):
+        local = gw.index if isinstance(gw.index, MemoryIndex) else gw.index.local
+        out.append(Bounded("index", local.blocks, None))
     if gw.forwarder is not None:
         suspects = gw.forwarder.suspects
         out.append(Bounded("suspects", len(suspects), suspects.capacity))

@@ -26,7 +26,7 @@ from router.arrival_order import ArrivalOrder
 from router.config import GatewayConfig
 from router.events import EventIndexer
 from router.hygiene import PromptHygiene
-from router.index import PrefixIndex
+from router.index import MirroredIndex, PrefixIndex, RedisIndex
 from router.metrics import GatewayMetrics
 from router.proxy import Forwarder
 from router.replicas import Fleet
@@ -88,6 +88,13 @@ class Gateway:
     @property
     def index_backend(self) -> str:
         return "redis" if self.config.index.is_redis else "memory"
+
+    @property
+    def redis(self) -> RedisIndex | None:
+        """The Redis index shared with other gateways, mirrored here or not (None: memory)."""
+        if isinstance(self.index, MirroredIndex):
+            return self.index.shared
+        return self.index if isinstance(self.index, RedisIndex) else None
 
     def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
         """Run a small background job owned by the gateway (awaited at shutdown)."""

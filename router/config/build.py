@@ -268,6 +268,7 @@ def _index(s: _Section, env: Mapping[str, str]) -> IndexConfig:
         password=password,
         tls_ca_file=s.get("tls_ca_file", _optional(_str), None),
         share_segments=s.get("share_segments", _bool, d.share_segments),
+        mirror_events=s.get("mirror_events", _bool, d.mirror_events),
         segment_ttl_s=s.get("segment_ttl_s", _pos_number, d.segment_ttl_s),
     )
     if out.tls_ca_file is not None and not out.backend.startswith("rediss"):

@@ -125,6 +125,10 @@ class IndexConfig:
     # (router/shared_segments.py; 4 bytes a token).
     share_segments: bool = True
     segment_ttl_s: float = 600.0
+    # Redis only: this gateway subscribes to the replicas' KV events itself and answers
+    # lookups from that mirror, in-process; Redis keeps the chains recorded for replicas
+    # without events (router/index/mirror.py). Off: every lookup is a Redis round trip.
+    mirror_events: bool = True
 
     @property
     def is_redis(self) -> bool:

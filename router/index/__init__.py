@@ -78,6 +78,7 @@ for connects and script loads inside their few-ms deadline.
 
 from router.index.lease import DEFAULT_LEASE_TTL_S, IndexerLease, LeaseSettings
 from router.index.memory import MemoryIndex
+from router.index.mirror import MirroredIndex
 from router.index.probes import ObservedBlocks
 from router.index.protocol import (
     DEFAULT_WARM_CONNECTIONS,
@@ -108,6 +109,7 @@ __all__ = [
     "LeaseSettings",
     "LookupStrategy",
     "MemoryIndex",
+    "MirroredIndex",
     "ObservedBlocks",
     "PrefixIndex",
     "RedisIndex",

@@ -448,6 +448,7 @@ def test_router_config_loads_the_rendered_gateway_and_indexer_configs(tmp_path: 
     # Several gateway pods share work and prompt pieces through the index by default.
     assert config.policy.share_work and config.index.share_segments
     assert config.index.segment_ttl_s == 600
+    assert config.index.mirror_events  # lookups in each pod's own mirror of the events
 
     # The indexer gets the seed and the Redis password, and no API key or salt secret.
     indexer_env = resolve_env(container(objs, "indexer"), known)
@@ -472,6 +473,7 @@ def test_router_config_loads_the_all_values_config(tmp_path: Path) -> None:
     assert config.index.record_ttl_s == 600  # gateway.config deep-merged
     assert not config.policy.share_work and not config.index.share_segments
     assert config.index.segment_ttl_s == 120
+    assert not config.index.mirror_events
     assert config.proxy.first_token_timeout_s == 120 and config.proxy.expose_routing_headers
     assert config.policy.name == "least_loaded" and config.policy.tolerance == 0.2  # extraEnv
     assert config.listen.port == 9000
@@ -580,8 +582,10 @@ def test_network_policies_admit_only_the_designed_flows(values_name: str) -> Non
     for src in pods:
         assert can(src, "vllm", "http") == (src == "gateway" or
                                             (values_name == "all-values.yaml" and src == "prometheus")), src
-        assert can(src, "vllm", "kv-events") == (src == "indexer"), src
-        assert can(src, "vllm", "kv-replay") == (src == "indexer"), src
+        # By default each gateway mirrors the events too (gateway.index.mirrorEvents).
+        subscribers = ("indexer", "gateway") if values_name == "default" else ("indexer",)
+        assert can(src, "vllm", "kv-events") == (src in subscribers), src
+        assert can(src, "vllm", "kv-replay") == (src in subscribers), src
         if "redis" in targets:
             assert can(src, "redis", "redis") == (src in ("gateway", "indexer")), src
         gateway_open = src in ("ingress", "prometheus") if values_name == "all-values.yaml" else True

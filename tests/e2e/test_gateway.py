@@ -337,17 +337,65 @@ async def test_replicas_without_events_are_recorded_from_what_was_sent(
         assert "token_ids" not in plain.body["choices"][0]  # the gateway's own ask is hidden
 
 
+async def test_a_redis_gateway_looks_up_in_its_event_mirror_even_with_redis_down(
+        start_gateway: Any, redis_server: Any) -> None:
+    # No indexer writes this Redis: every hit predicted below comes from the mirror of
+    # the replicas' events this gateway keeps itself (index.mirror_events, the default).
+    async with AsyncSimFleet(3, block_size=16, num_blocks=4000) as fleet:
+        gw = await start_gateway(gateway_config(fleet.replicas, model=MODEL, port=free_port(),
+                                                index=redis_server.url))
+        assert gw.app_gateway is not None
+        history = tokens(41, 600)
+        seen: list[Reply] = []
+        for turn in range(4):
+            if turn == 2:
+                redis_server.stop()  # the shared index goes away for real
+            reply = await gw.post("/v1/completions", completion(history))
+            assert reply.status == 200, reply.body
+            assert reply.predicted == reply.cached, (turn, reply.predicted, reply.cached)
+            seen.append(reply)
+            await settle(gw, reply, history)
+            history = [*history, *output_ids(reply), *tokens(60 + turn, 40)]
+        assert len({r.replica for r in seen}) == 1
+        assert all(r.cached > 0 for r in seen[1:])
+        # Still ready (its replicas are), and it says the shared index is down.
+        status, ready = await gw.get("/ready")
+        assert status == 200 and ready["index"]["status"].startswith("down"), ready["index"]
+
+
+async def wait_mirrored(gateways: list[GatewayClient], index: RedisIndex, replica: str) -> None:
+    """Wait until every gateway's own event mirror has applied the replica's batches up
+    to the one the indexer last wrote to Redis (each gateway looks up in its mirror).
+    `index` must be built with a fence token: only then does it read stored positions."""
+    position = await index.stream_position(replica)
+    assert position is not None  # the leased indexer keeps its place in each stream
+
+    async def applied() -> bool:
+        for gw in gateways:
+            _, ready = await gw.get("/ready")
+            stream = ready.get("events", {}).get(replica)
+            if stream is None or stream["last_seq"] is None or \
+                    stream["last_seq"] < position.seq:
+                return False
+        return True
+
+    await wait_until(applied, what=f"every gateway mirrors {replica} to seq {position.seq}")
+
+
 async def test_two_gateway_processes_on_one_redis_index_choose_as_one(
         redis_server: Any, processes: ProcessGroup, http: aiohttp.ClientSession) -> None:
     async with AsyncSimFleet(3, block_size=16, num_blocks=4000) as fleet:
         raws = [gateway_config(fleet.replicas, model=MODEL, port=free_port(),
                                index=redis_server.url) for _ in range(2)]
         config_path = processes.write_config(raws[0], "indexer")
-        processes.spawn(["indexer", "--config", str(config_path), "--log-level", "WARNING"],
-                        "indexer")
+        # Leased, as the chart runs it: it then keeps its place in each stream in Redis.
+        processes.spawn(["indexer", "--config", str(config_path), "--lease",
+                         "--log-level", "WARNING"], "indexer")
         urls = [await processes.start_gateway(raw, f"gateway-{i}") for i, raw in enumerate(raws)]
         gateways = [GatewayClient(url, http) for url in urls]
-        index = RedisIndex.from_url(redis_server.url)
+        # A fence token only lets this reader see the positions the indexer stores; it
+        # writes nothing.
+        index = RedisIndex.from_url(redis_server.url, fence_token=0)
         try:
             conversations = {c: tokens(300 + c, 1000) for c in range(6)}
             homes: dict[int, set[str]] = {c: set() for c in conversations}
@@ -360,6 +408,7 @@ async def test_two_gateway_processes_on_one_redis_index_choose_as_one(
                     homes[c].add(reply.replica)
                     held = [*history, *output_ids(reply)][:-1]
                     await wait_indexed(index, MODEL, reply.replica, held, tenant_salt("alpha"))
+                    await wait_mirrored(gateways, index, reply.replica)
                     conversations[c] = [*history, *output_ids(reply), *tokens(turn, 24)]
             assert all(len(h) == 1 for h in homes.values()), homes
             assert len({next(iter(h)) for h in homes.values()}) > 1  # and they spread

@@ -257,7 +257,7 @@ that the pods fill from Secrets.
 {{- if gt (int $vllm.maxModelLen) 0 }}
 {{- $_ := set $model "max_model_len" (int $vllm.maxModelLen) }}
 {{- end }}
-{{- $index := dict "backend" (include "cacheroute.redis.url" .) "deadline_ms" .Values.gateway.index.deadlineMs "share_segments" .Values.gateway.index.shareSegments "segment_ttl_s" .Values.gateway.index.segmentTtlSeconds }}
+{{- $index := dict "backend" (include "cacheroute.redis.url" .) "deadline_ms" .Values.gateway.index.deadlineMs "share_segments" .Values.gateway.index.shareSegments "segment_ttl_s" .Values.gateway.index.segmentTtlSeconds "mirror_events" .Values.gateway.index.mirrorEvents }}
 {{- if include "cacheroute.redis.passwordSecretName" . }}
 {{- $_ := set $index "password_env" "CACHEROUTE_REDIS_PASSWORD" }}
 {{- end }}
