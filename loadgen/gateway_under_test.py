@@ -265,9 +265,12 @@ def gateways(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfil
         if index.startswith("redis://"):
             # A gateway on a Redis index reads it but does not feed it: the indexer does,
             # from the replicas' KV events. Started first and synced before any request.
+            # Leased, as the chart runs it (its stored positions seed a starting
+            # gateway's mirror of the events).
             indexer = LoggedProcess(f"indexer-{name}", [
-                sys.executable, "-m", "router", "indexer", "--config", str(path),
-                "--log-level", "INFO"], cpus=cpus, cwd=repo)
+                sys.executable, "-m", "router", "indexer", "--config", str(path), "--lease",
+                "--log-level", "INFO"], cpus=getattr(args, "index_cpu_set", None) or cpus,
+                cwd=repo)
             procs.append(indexer)
             indexer.start(log_dir)
             indexer.wait_until(lambda: "indexing " in indexer.log_tail(20_000))

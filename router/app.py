@@ -45,7 +45,14 @@ from router.handlers import (
     handle_ready,
     request_context,
 )
-from router.index import IndexUnavailable, MemoryIndex, MirroredIndex, RedisIndex
+from router.index import (
+    IndexUnavailable,
+    MemoryIndex,
+    MirroredIndex,
+    MirrorFeed,
+    PrefixIndex,
+    RedisIndex,
+)
 from router.metrics import (
     Bounded,
     GatewayMetrics,
@@ -261,13 +268,20 @@ def _set_mode(replica: Replica) -> None:
     replica.mode = "events" if replica.target.kv_events else "record"
 
 
+# How long start-up waits for the mirror's snapshots (router/index/mirror.py): each is a
+# few Redis round trips, tens of thousands of keys per replica at most.
+_MIRROR_SEED_TIMEOUT_S = 10.0
+
+
 async def _indexer_ctx(app: web.Application) -> AsyncIterator[None]:
     """An in-gateway KV-event indexer, for replicas that publish events: it feeds a memory
     index, or the mirror of a Redis index (router/index/mirror.py). A Redis index itself
     is fed by the separate `python -m router indexer`."""
     gw = app[GATEWAY]
     assert gw.fleet is not None and gw.index is not None
-    index = gw.index.local if isinstance(gw.index, MirroredIndex) else gw.index
+    index: PrefixIndex = gw.index
+    if isinstance(index, MirroredIndex):
+        index = MirrorFeed(index.local, index.shared)  # seeded from Redis as streams start
     if isinstance(index, RedisIndex) or not any(r.kv_events for r in gw.config.replicas):
         yield
         return
@@ -283,10 +297,19 @@ async def _indexer_ctx(app: web.Application) -> AsyncIterator[None]:
         return ReplicaFeed(replica_id=t.replica_id, endpoint=t.kv_events, model=model,
                            replay_endpoint=t.kv_replay)
 
+    started = []
     for replica in fleet.all():
         f = feed(replica)
         if f is not None:
-            await indexer.add_replica(f)
+            started.append(await indexer.add_replica(f))
+    if started and isinstance(index, MirrorFeed):
+        # Serve once the mirror holds what Redis does (each stream's snapshot), not
+        # before: a request routed meanwhile would miss every prefix cached before this
+        # gateway started. Bounded: a slow Redis delays start-up, never blocks it.
+        waits = [asyncio.ensure_future(s.resumed.wait()) for s in started]
+        _, late = await asyncio.wait(waits, timeout=_MIRROR_SEED_TIMEOUT_S)
+        for wait in late:
+            wait.cancel()
 
     def on_added(replica: Replica) -> None:
         f = feed(replica)

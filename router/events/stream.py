@@ -93,6 +93,9 @@ class ReplicaEventStream:
         self._monitor_task: asyncio.Task[None] | None = None
         # Serialises message handling with mark_stale(), which the gateway calls.
         self._lock = asyncio.Lock()
+        # Set once the stream knows where it starts (a stored position, or over): a
+        # gateway seeding its mirror waits for it before serving (router/app.py).
+        self.resumed = asyncio.Event()
 
     def start(self) -> None:
         """Connect the SUB socket and start applying events."""
@@ -162,7 +165,10 @@ class ReplicaEventStream:
     async def _run(self) -> None:
         assert self._sub is not None
         async with self._lock:
-            await self._resume()
+            try:
+                await self._resume()
+            finally:
+                self.resumed.set()
         # No deadline on recv: an idle replica legitimately sends nothing. Liveness is
         # judged by the gateway's health checks and stats.last_received_at.
         while not self._stopping:

@@ -78,7 +78,7 @@ for connects and script loads inside their few-ms deadline.
 
 from router.index.lease import DEFAULT_LEASE_TTL_S, IndexerLease, LeaseSettings
 from router.index.memory import MemoryIndex
-from router.index.mirror import MirroredIndex
+from router.index.mirror import MirroredIndex, MirrorFeed
 from router.index.probes import ObservedBlocks
 from router.index.protocol import (
     DEFAULT_WARM_CONNECTIONS,
@@ -94,6 +94,7 @@ from router.index.redis import (
     DEFAULT_LOOKUP_TIMEOUT_S,
     DEFAULT_OP_TIMEOUT_S,
     RedisIndex,
+    ReplicaSnapshot,
 )
 
 __all__ = [
@@ -109,9 +110,11 @@ __all__ = [
     "LeaseSettings",
     "LookupStrategy",
     "MemoryIndex",
+    "MirrorFeed",
     "MirroredIndex",
     "ObservedBlocks",
     "PrefixIndex",
     "RedisIndex",
+    "ReplicaSnapshot",
     "StreamPosition",
 ]

@@ -220,6 +220,34 @@ class MemoryIndex:
         """Always None: nothing here outlives the stream that wrote it."""
         return None
 
+    async def seed(self, model: str, replica: str, keys: Sequence[int], *,
+                   verify: bool) -> None:
+        """Hold `keys` (least recently touched first) as another index says the replica
+        does, their parents unknown (router/index/mirror.py seeds a mirror so). They
+        count as roots: a later event's block whose parent is one of them is no orphan.
+        `verify`: that index could not vouch for prefix closure (its hole flag), so
+        every lookup of the replica here checks its run block by block until a clear."""
+        pair = (model, replica)
+        holders = self._holders.setdefault(model, {})
+        lru = self._lru.setdefault(pair, OrderedDict())
+        self._kids.setdefault(pair, {})
+        self._models.setdefault(replica, set()).add(model)
+        for start in range(0, len(keys), APPLY_SLICE * 16):
+            if start:
+                await asyncio.sleep(0)  # a replica's snapshot is tens of thousands
+            for key in keys[start:start + APPLY_SLICE * 16]:
+                held = holders.get(key)
+                if held is None:
+                    holders[key] = {replica: math.inf}
+                else:
+                    held[replica] = math.inf
+                if key in lru:
+                    lru.move_to_end(key)
+                else:
+                    lru[key] = None
+        # One standing orphan keeps the bisection verifying (see _bisect).
+        self._orphans[pair] = self._orphans.get(pair, 0) + (1 if verify else 0)
+
     async def put_probe(
         self,
         salt: str,

@@ -24,6 +24,15 @@ in-process (`in_process`), with no task, timer or deadline. Writes go to Redis a
 before; handshake probes are read here first (this gateway's own streams put them in
 the mirror), then from Redis.
 
+A gateway that starts after the replicas (a rolling update, a new pod) would know only
+what their replay buffers still hold (vLLM keeps the last 10,000 batches), and vLLM
+announces a block once, when it is stored: a system prompt cached an hour ago would stay
+unknown. So each of its streams starts from a snapshot of that replica in Redis, taken
+with the position the leased indexer stored beside it (`RedisIndex.snapshot`), and
+resumes the stream after that position, as a standby indexer taking over does
+(`MirrorFeed`). Without a stored position (no leased indexer), or with Redis down, the
+stream starts over from the replay buffer, as with `backend: memory`.
+
 The price: each gateway decodes every replica's events and holds every held block
 (~400 bytes a block in the MemoryIndex, per gateway worker): 1M blocks ~0.4 GB.
 `index.mirror_events: false` turns the mirror off (lookups then go to Redis, fed by the
@@ -32,12 +41,15 @@ separate indexer).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from router.index.memory import MemoryIndex
 from router.index.probes import ObservedBlocks
 from router.index.protocol import DEFAULT_WARM_CONNECTIONS, IndexOp, StreamPosition
 from router.index.redis import RedisIndex
+
+log = logging.getLogger(__name__)
 
 
 class MirroredIndex:
@@ -134,3 +146,90 @@ class MirroredIndex:
         """Release Redis connections and the mirror."""
         await self.local.close()
         await self.shared.close()
+
+
+class MirrorFeed:
+    """The index this gateway's own event streams write: the mirror (a MemoryIndex),
+    which a stream starting up seeds from the replica's snapshot in Redis (module doc).
+
+    `stream_position` is the one call a starting stream makes before applying anything
+    (router/events/stream.py `_resume`); every other call goes to the mirror.
+    """
+
+    def __init__(self, local: MemoryIndex, shared: RedisIndex) -> None:
+        self.local = local
+        self.shared = shared
+
+    async def stream_position(self, replica: str) -> StreamPosition | None:
+        """Load the replica's snapshot from Redis into the mirror; the position it covers
+        (None: no snapshot, the stream starts over). Raises IndexUnavailable with Redis
+        down, which the stream takes as "start over" too."""
+        snapshot = await self.shared.snapshot(replica)
+        if snapshot is None:
+            return None
+        await self.local.clear_replica(replica)
+        for model, keys in snapshot.held.items():
+            await self.local.seed(model, replica, keys, verify=model in snapshot.holed)
+        log.info("replica %s: mirror seeded from the index with %d blocks (seq %d)", replica,
+                 sum(map(len, snapshot.held.values())), snapshot.position.seq)
+        return snapshot.position
+
+    async def lookup(
+        self, model: str, keys: Sequence[int], *, deadline_s: float | None = None
+    ) -> dict[str, int]:
+        """The mirror's answer."""
+        return await self.local.lookup(model, keys, deadline_s=deadline_s)
+
+    async def add(self, model: str, replica: str, keys: Sequence[int]) -> None:
+        """Into the mirror."""
+        await self.local.add(model, replica, keys)
+
+    async def remove(self, model: str, replica: str, keys: Sequence[int]) -> None:
+        """From the mirror."""
+        await self.local.remove(model, replica, keys)
+
+    async def record(
+        self,
+        model: str,
+        replica: str,
+        keys: Sequence[int],
+        ttl_s: float,
+        *,
+        capacity_blocks: int | None = None,
+    ) -> None:
+        """Into the mirror (streams do not record; here for the protocol)."""
+        await self.local.record(model, replica, keys, ttl_s, capacity_blocks=capacity_blocks)
+
+    async def clear_replica(self, replica: str) -> None:
+        """From the mirror."""
+        await self.local.clear_replica(replica)
+
+    async def apply(self, replica: str, ops: Sequence[IndexOp], *,
+                    position: StreamPosition | None = None) -> None:
+        """One batch, into the mirror."""
+        await self.local.apply(replica, ops, position=position)
+
+    async def put_probe(
+        self,
+        salt: str,
+        replica: str,
+        block_size: int,
+        keys: Sequence[int],
+        token_ids: Sequence[int],
+        ttl_s: float,
+        *,
+        rekeyed: bool = False,
+    ) -> None:
+        """Into the mirror, where this gateway's handshake reads it first."""
+        await self.local.put_probe(salt, replica, block_size, keys, token_ids, ttl_s,
+                                   rekeyed=rekeyed)
+
+    async def get_probe(self, salt: str) -> ObservedBlocks | None:
+        """From the mirror."""
+        return await self.local.get_probe(salt)
+
+    async def warm(self, connections: int = DEFAULT_WARM_CONNECTIONS) -> None:
+        """Nothing to warm: the mirror is in memory."""
+
+    async def close(self) -> None:
+        """Nothing to close: MirroredIndex closes both indexes."""

@@ -66,7 +66,8 @@ from __future__ import annotations
 import asyncio
 import math
 import struct
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
 
@@ -113,6 +114,15 @@ _WRITE = _lua("write.lua", prelude=True)
 _REMOVE = _lua("remove.lua", prelude=True)
 _CLEAR = _lua("clear.lua", prelude=True)
 _POSITION = _lua("position.lua", prelude=True)
+
+
+@dataclass(frozen=True)
+class ReplicaSnapshot:
+    """One replica's entries as the index holds them (`RedisIndex.snapshot`)."""
+
+    position: StreamPosition  # the last KV-event batch whose writes they include
+    held: Mapping[str, tuple[int, ...]]  # model scope -> keys, least recently touched first
+    holed: frozenset[str]  # scopes whose entries may not be prefix-closed (hole flag)
 
 
 def _key_bytes(key: int) -> bytes:
@@ -339,6 +349,42 @@ class RedisIndex:
             return None
         seq, ts = (raw if isinstance(raw, bytes) else raw.encode()).decode().split(" ")
         return StreamPosition(int(seq), None if ts == "None" else float(ts))
+
+    async def snapshot(self, replica: str) -> ReplicaSnapshot | None:
+        """What the index holds for an event-fed replica and the stream position that
+        covers it, for a mirror starting up (router/index/mirror.py); None where no
+        position is stored (an indexer without a lease keeps none) or entries expire.
+
+        The position is read first: the indexer stores it after its batch's writes, so
+        the entries read after it hold at least that batch's state, perhaps some of
+        later batches, which the reader then applies again from the stream (adds and
+        removes are idempotent).
+        """
+        raw = await self._call(self._redis.get(self._position_key(replica)),
+                               self._op_timeout_s, "snapshot")
+        if raw is None:
+            return None
+        seq, ts = (raw if isinstance(raw, bytes) else raw.encode()).decode().split(" ")
+        position = StreamPosition(int(seq), None if ts == "None" else float(ts))
+        scopes = sorted(m.decode() if isinstance(m, bytes) else m for m in await self._call(
+            self._redis.smembers(self._models_key(replica)), self._op_timeout_s, "snapshot"))
+        pipe = self._redis.pipeline(transaction=False)
+        for model in scopes:
+            ttl_flag, hole_flag = self._flag_keys(model, replica)
+            pipe.zrange(self._replica_keys(model, replica)[0], 0, -1)
+            pipe.exists(ttl_flag, hole_flag)
+            pipe.exists(hole_flag)
+        replies = await self._call(pipe.execute(), self._op_timeout_s, "snapshot")
+        held: dict[str, tuple[int, ...]] = {}
+        holed: set[str] = set()
+        for i, model in enumerate(scopes):
+            members, flags, hole = replies[3 * i:3 * i + 3]
+            if flags > hole:
+                return None  # entries that expire: a mirror would keep them for good
+            held[model] = tuple(int.from_bytes(m, "big") for m in members)
+            if hole:
+                holed.add(model)
+        return ReplicaSnapshot(position, held, frozenset(holed))
 
     async def apply(self, replica: str, ops: Sequence[IndexOp], *,
                     position: StreamPosition | None = None) -> None:

@@ -499,6 +499,10 @@ def test_gateway_and_indexer_command_lines_parse(values_name: str) -> None:
         args = parser.parse_args(command[4:])
         assert args.config == f"/etc/cacheroute/{'gateway' if sub == 'serve' else 'indexer'}.yaml"
         assert args.log_level == ("DEBUG" if values_name == "all-values.yaml" else "INFO")
+        if sub == "indexer":
+            # Only a leased indexer stores the positions a starting gateway's mirror
+            # seeds from (router/index/mirror.py).
+            assert args.lease
     serve_args = argparse.ArgumentParser()
     router.cli.serve.add_arguments(serve_args)
     timeout = serve_args.parse_args(commands["gateway"][4:]).shutdown_timeout

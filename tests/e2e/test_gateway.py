@@ -363,6 +363,43 @@ async def test_a_redis_gateway_looks_up_in_its_event_mirror_even_with_redis_down
         assert status == 200 and ready["index"]["status"].startswith("down"), ready["index"]
 
 
+async def test_a_gateway_started_late_seeds_its_mirror_from_the_index(
+        start_gateway: Any, redis_server: Any, processes: ProcessGroup) -> None:
+    # The late gateway gets no replay endpoint: only the index can tell it what the
+    # replicas cached before it started (vLLM announces a block once, when stored).
+    async with AsyncSimFleet(3, block_size=16, num_blocks=4000) as fleet:
+        raw = gateway_config(fleet.replicas, model=MODEL, port=free_port(),
+                             index=redis_server.url)
+        config_path = processes.write_config(raw, "indexer")
+        indexer = processes.spawn(["indexer", "--config", str(config_path), "--lease",
+                                   "--log-level", "INFO"], "indexer")
+
+        async def subscribed() -> bool:  # before any event it should see is sent
+            return "indexing " in processes.log(indexer)
+
+        await wait_until(subscribed, 30, "the indexer to subscribe")
+        first = await start_gateway(raw)
+        history = tokens(77, 800)
+        reply = await first.post("/v1/completions", completion(history))
+        assert reply.status == 200, reply.body
+        index = RedisIndex.from_url(redis_server.url)
+        try:
+            held = [*history, *output_ids(reply)][:-1]
+            await wait_indexed(index, MODEL, reply.replica, held, tenant_salt("alpha"))
+        finally:
+            await index.close()
+        late_raw = gateway_config(fleet.replicas, model=MODEL, port=free_port(),
+                                  index=redis_server.url)
+        for replica in late_raw["replicas"]:
+            del replica["kv_replay"]
+        late = await start_gateway(late_raw)
+        follow_up = [*held, *tokens(78, 40)]
+        again = await late.post("/v1/completions", completion(follow_up))
+        assert again.status == 200, again.body
+        assert again.replica == reply.replica
+        assert again.predicted == again.cached >= 800 // 16 * 16
+
+
 async def wait_mirrored(gateways: list[GatewayClient], index: RedisIndex, replica: str) -> None:
     """Wait until every gateway's own event mirror has applied the replica's batches up
     to the one the indexer last wrote to Redis (each gateway looks up in its mirror).
