@@ -125,6 +125,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "client on the rest: production's layout, where a gateway does "
                              "not share cores with the engines it routes to (default: "
                              "everything shares every CPU)")
+    parser.add_argument("--index-cpus", metavar="CPUS",
+                        help="run Redis and the indexer on these CPUs (with --router-cpus; "
+                             "default: with the routers). In a cluster they are pods of "
+                             "their own: a gateway that looks up in its own mirror of the "
+                             "KV events (index.mirror_events) shares no core with them")
     parser.add_argument("--baseline-repo", type=Path, metavar="DIR",
                         help="also run each of our policies from this checkout (a git "
                              "worktree of an earlier commit), as baseline~NAME, interleaved "
@@ -489,8 +494,12 @@ def _cpus_line(args: argparse.Namespace) -> str:
         return (f"shared: routers, replicas and the client on all "
                 f"{len(os.sched_getaffinity(0))} CPUs")
     fleet: frozenset[int] = getattr(args, "fleet_cpu_set", frozenset())
-    return (f"routers (gateways, indexer, Redis; peers) on CPU {_cpu_list(routers)}; "
-            f"replicas and the client on CPU {_cpu_list(fleet)}")
+    index: frozenset[int] = getattr(args, "index_cpu_set", None) or routers
+    if index == routers:
+        return (f"routers (gateways, indexer, Redis; peers) on CPU {_cpu_list(routers)}; "
+                f"replicas and the client on CPU {_cpu_list(fleet)}")
+    return (f"routers (gateways; peers) on CPU {_cpu_list(routers)}; Redis and the indexer "
+            f"on CPU {_cpu_list(index)}; replicas and the client on CPU {_cpu_list(fleet)}")
 
 
 def _cpu_list(cpus: frozenset[int]) -> str:
@@ -502,11 +511,15 @@ def _placed(args: argparse.Namespace) -> Iterator[None]:
     """Apply --router-cpus: this process (the client, and the replicas it starts) moves to
     the other CPUs for the run, and back after; args.router_cpu_set tells the routers'
     starters where theirs go."""
-    args.router_cpu_set = None
+    args.router_cpu_set = args.index_cpu_set = None
     if not getattr(args, "router_cpus", None):
+        if getattr(args, "index_cpus", None):
+            raise HarnessError("--index-cpus needs --router-cpus")
         yield
         return
     routers = parse_cpus("--router-cpus", args.router_cpus)
+    args.index_cpu_set = (parse_cpus("--index-cpus", args.index_cpus)
+                          if getattr(args, "index_cpus", None) else routers)
     before = os.sched_getaffinity(0)
     fleet = frozenset(before - routers)
     if not fleet:
@@ -550,7 +563,7 @@ def run_comparison(args: argparse.Namespace, console: Any = None) -> Comparison:
         index = "memory"
         if use_redis:
             index = stack.enter_context(redis_server(log_dir / "redis.log",
-                                                     args.router_cpu_set)).url
+                                                     args.index_cpu_set)).url
         console.print(f"starting {args.replicas} {args.replica_kind} replicas "
                       f"(index: {'redis' if use_redis else 'memory'})")
         fleet = (start_sim_fleet(args) if args.replica_kind == "sim"
