@@ -419,8 +419,7 @@ async def _peer_work(read: asyncio.Future[dict[str, PeerWork]] | None,
         async with turn.away():
             await asyncio.wait([read], timeout=max(left_s, 0.0))
     if not read.done():
-        read.cancel()
-        return {}
+        return {}  # not cancelled: other requests may be waiting on the same read
     if read.cancelled() or read.exception() is not None:
         return {}
     return read.result()
@@ -607,11 +606,14 @@ class RoutingPipeline:
         # vLLM does not read its prefix cache for this request: no replica gets credit.
         skips = skips_prefix_cache(parsed.body, parsed.endpoint == "chat")
         readable: Mapping[HashConfig, tuple[int, ...]] = {} if skips else prompt.keys
-        # Other gateways' work, read beside the lookup and under the same deadline.
-        peers_read = (asyncio.ensure_future(self.shared.read(2 * self.index_deadline_s))
-                      if self.shared is not None and self.shared.read_due() else None)
-        if peers_read is not None:
-            peers_read.add_done_callback(_collect)
+        # Other gateways' work, read beside the lookup and under the same deadline. While
+        # the last read found no other gateway, the heartbeat's re-check runs without
+        # holding this request (router/shared_work.py).
+        peers_read = None
+        if self.shared is not None:
+            peers_read = self.shared.refresh(2 * self.index_deadline_s)
+            if self.shared.alone:
+                peers_read = None
         lookup = await lookup_matches(self.index, parsed.model, readable, members,
                                       self.index_deadline_s, turn)
         peers = await _peer_work(peers_read, self.index_deadline_s - lookup.seconds, turn)

@@ -24,10 +24,15 @@ burst costs a few round trips, not one per request; a lost write is repaired by 
 change or the heartbeat. With Redis away the gateway sees only its own work, as before.
 
 Cost: one HGETALL per routed request of gateways x replicas short fields (see
-docs/SCALING.md for what that is at fleet scale). A gateway whose last read found no
-other gateway skips the read for `heartbeat_s` (`read_due`): alone it would only read
-its own fields, at 0.17 ms of CPU per request here; a gateway that joins is seen within
-a heartbeat.
+docs/SCALING.md for what that is at fleet scale); requests routed while a read is in
+flight share it (`refresh`). A gateway whose last read found no other gateway skips the
+read for `heartbeat_s` (`read_due`): alone it would only read its own fields, at 0.17 ms
+of CPU per request here; a gateway that joins is seen within a heartbeat. Nor does a
+request wait for that heartbeat's re-check: it routes as alone while the read runs (the
+caller's choice, router/routing.py). Trace workloads arrive in bursts a second or more
+apart, so every burst found the re-check due and each of its requests waited for its
+own HGETALL: ~7 ms of a busy 2-core host's route step at the median, one gateway alone
+(the Mooncake conversation window, 8 sims).
 """
 
 from __future__ import annotations
@@ -59,6 +64,12 @@ class PeerWork:
 
 
 NO_PEER_WORK = PeerWork()
+
+
+def _retrieve(read: asyncio.Future[dict[str, PeerWork]]) -> None:
+    """Mark a shared read's failure as seen: a waiter may have stopped waiting."""
+    if not read.cancelled():
+        read.exception()
 
 
 def encode(view: WorkView, wall: float) -> bytes:
@@ -117,6 +128,7 @@ class SharedWork:
         self._dead: list[bytes] = []
         self._flushing: asyncio.Task[None] | None = None
         self._alone_until = float("-inf")  # no read is due before this (read_due)
+        self._reading: asyncio.Future[dict[str, PeerWork]] | None = None  # the one in flight
         self.alone = False  # the last read found no other live gateway
         self.write_failures = 0
 
@@ -154,6 +166,19 @@ class SharedWork:
         a gateway that starts later is seen within a heartbeat (and itself sees this
         one's work at once)."""
         return self._clock() >= self._alone_until
+
+    def refresh(self, timeout_s: float) -> asyncio.Future[dict[str, PeerWork]] | None:
+        """The read in flight, or a new one if one is due (None: none is). One at a time:
+        a burst's requests share it. Nobody cancels it (each waiter stops waiting at its
+        own deadline); `timeout_s` bounds it."""
+        if self._reading is not None and not self._reading.done():
+            return self._reading
+        if not self.read_due():
+            return None
+        reading = asyncio.ensure_future(self.read(timeout_s))
+        reading.add_done_callback(_retrieve)
+        self._reading = reading
+        return reading
 
     async def read(self, timeout_s: float) -> dict[str, PeerWork]:
         """The other gateways' work per replica id; raises on a failed or late read."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -220,5 +223,55 @@ async def test_a_gateway_alone_skips_reads_for_a_heartbeat_and_sees_one_that_joi
         assert alone.read_due()  # with another gateway live, every request reads
         assert (await alone.read(1.0))["r0"].pending == 2
         assert alone.read_due()
+    finally:
+        await client.aclose()
+
+
+async def test_a_burst_shares_one_read_and_a_gateway_alone_never_waits_for_its_recheck(
+        redis_server: Any) -> None:
+    client = Redis.from_url(redis_server.url)
+    clock = [1000.0]
+    shared = SharedWork(client, gateway_id="a", clock=lambda: clock[0], heartbeat_s=1.0)
+    fleet = _replicas(2)
+    gateway = _pipeline(shared)  # its lookup deadline: 1 s
+
+    async def route_seconds(i: int) -> float:
+        started = time.perf_counter()
+        await gateway.route(_body([200 + i] * 64), fleet, time.monotonic(), tenant="t",
+                            cache_salt=None)
+        return time.perf_counter() - started
+
+    def stalled() -> Any:
+        """Redis stopped (SIGSTOP) for the block: it answers nothing until resumed."""
+        @contextlib.contextmanager
+        def stall() -> Iterator[None]:
+            redis_server.proc.send_signal(signal.SIGSTOP)
+            try:
+                yield
+            finally:
+                redis_server.proc.send_signal(signal.SIGCONT)
+        return stall()
+
+    try:
+        first, second = shared.refresh(1.0), shared.refresh(1.0)
+        assert first is not None and first is second  # one read in flight, shared
+        assert await first == {} and shared.alone
+        assert shared.refresh(1.0) is None  # alone: nothing due within the heartbeat
+        clock[0] += 1.5  # the re-check is due
+        with stalled():
+            # A request that waited for the re-check would wait its whole 1 s deadline.
+            assert await route_seconds(0) < 0.5
+            recheck = shared.refresh(1.0)
+            assert recheck is not None and not recheck.done()  # in flight, not awaited
+        assert await recheck == {}
+        # Another gateway live: requests wait for the read again (the stall shows it).
+        other = SharedWork(client, gateway_id="b", clock=lambda: clock[0])
+        other.publish("r0", WorkView(wait_s=5.0, pending=1))
+        await other.flushed()
+        clock[0] += 1.5
+        peers = shared.refresh(1.0)
+        assert peers is not None and "r0" in await peers and not shared.alone
+        with stalled():
+            assert await route_seconds(1) >= 0.5
     finally:
         await client.aclose()
