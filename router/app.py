@@ -53,6 +53,7 @@ from router.index import (
     PrefixIndex,
     RedisIndex,
 )
+from router.indexer import rekey_setting
 from router.metrics import (
     Bounded,
     GatewayMetrics,
@@ -289,13 +290,19 @@ async def _indexer_ctx(app: web.Application) -> AsyncIterator[None]:
     gw.indexer = indexer
     fleet = gw.fleet
 
+    configs = {c.name: c for c in gw.config.replicas}
+
     def feed(replica: Replica) -> ReplicaFeed | None:
         t = replica.target
         if not t.kv_events:
             return None
         model = (t.models or replica.served_models or ("",))[0]
+        # Keyed as the standalone indexer keys it (a replica's `rekey` setting): a
+        # mirror keyed otherwise would disagree with Redis and with the replica.
+        config = configs.get(t.source)
+        rekey, mode = rekey_setting(config, "never") if config is not None else (None, "always")
         return ReplicaFeed(replica_id=t.replica_id, endpoint=t.kv_events, model=model,
-                           replay_endpoint=t.kv_replay)
+                           replay_endpoint=t.kv_replay, rekey=rekey, rekey_mode=mode)
 
     started = []
     for replica in fleet.all():

@@ -363,6 +363,28 @@ async def test_a_redis_gateway_looks_up_in_its_event_mirror_even_with_redis_down
         assert status == 200 and ready["index"]["status"].startswith("down"), ready["index"]
 
 
+@pytest.mark.parametrize("index", ["memory", "redis"])
+async def test_the_gateways_own_event_streams_rekey_a_replica_keyed_otherwise(
+        start_gateway: Any, redis_server: Any, index: str) -> None:
+    # The sims hash with PYTHONHASHSEED "1", the gateway with "0": only a stream that
+    # re-keys their blocks (`rekey: always`, as the standalone indexer would) gives the
+    # gateway's own index (memory, or the mirror of a Redis index) keys it can match.
+    async with AsyncSimFleet(2, block_size=16, num_blocks=4000, seed="1") as fleet:
+        raw = gateway_config(fleet.replicas, model=MODEL, port=free_port(),
+                             index="memory" if index == "memory" else redis_server.url)
+        for replica in raw["replicas"]:
+            replica["rekey"] = "always"
+        gw = await start_gateway(raw)
+        history = tokens(91, 400)
+        reply = await gw.post("/v1/completions", completion(history))
+        assert reply.status == 200, reply.body
+        await settle(gw, reply, history)
+        held = [*history, *output_ids(reply)][:-1]
+        again = await gw.post("/v1/completions", completion([*held, *tokens(92, 40)]))
+        assert again.replica == reply.replica
+        assert again.predicted == again.cached >= 400 // 16 * 16
+
+
 async def test_a_gateway_started_late_seeds_its_mirror_from_the_index(
         start_gateway: Any, redis_server: Any, processes: ProcessGroup) -> None:
     # The late gateway gets no replay endpoint: only the index can tell it what the
