@@ -31,7 +31,9 @@ unknown. So each of its streams starts from a snapshot of that replica in Redis,
 with the position the leased indexer stored beside it (`RedisIndex.snapshot`), and
 resumes the stream after that position, as a standby indexer taking over does
 (`MirrorFeed`). Without a stored position (no leased indexer), or with Redis down, the
-stream starts over from the replay buffer, as with `backend: memory`.
+stream starts over from the replay buffer, as with `backend: memory`. A replica without
+a replay endpoint cannot confirm the first batch after a resumed position (that it did
+not restart meanwhile, router/events/sequence.py), so that batch clears the seed.
 
 The price: each gateway decodes every replica's events and holds every held block
 (~400 bytes a block in the MemoryIndex, per gateway worker): 1M blocks ~0.4 GB.
@@ -46,16 +48,97 @@ from collections.abc import Sequence
 
 from router.index.memory import MemoryIndex
 from router.index.probes import ObservedBlocks
-from router.index.protocol import DEFAULT_WARM_CONNECTIONS, IndexOp, StreamPosition
+from router.index.protocol import (
+    DEFAULT_WARM_CONNECTIONS,
+    IndexOp,
+    PrefixIndex,
+    StreamPosition,
+)
 from router.index.redis import RedisIndex
 
 log = logging.getLogger(__name__)
 
 
-class MirroredIndex:
-    """The PrefixIndex of a gateway on Redis with `index.mirror_events` (see module doc)."""
+class _Delegating:
+    """A PrefixIndex that passes every call to `target`; the two classes below override
+    what they answer otherwise."""
+
+    def __init__(self, target: PrefixIndex) -> None:
+        self._target = target
+
+    async def lookup(
+        self, model: str, keys: Sequence[int], *, deadline_s: float | None = None
+    ) -> dict[str, int]:
+        """Replica -> number of leading blocks of `keys` it holds (replicas with 0 omitted)."""
+        return await self._target.lookup(model, keys, deadline_s=deadline_s)
+
+    async def add(self, model: str, replica: str, keys: Sequence[int]) -> None:
+        """The replica now holds these blocks."""
+        await self._target.add(model, replica, keys)
+
+    async def remove(self, model: str, replica: str, keys: Sequence[int]) -> None:
+        """The replica evicted these blocks."""
+        await self._target.remove(model, replica, keys)
+
+    async def record(
+        self,
+        model: str,
+        replica: str,
+        keys: Sequence[int],
+        ttl_s: float,
+        *,
+        capacity_blocks: int | None = None,
+    ) -> None:
+        """The gateway sent this chain to the replica: assume it holds it for ttl_s."""
+        await self._target.record(model, replica, keys, ttl_s, capacity_blocks=capacity_blocks)
+
+    async def clear_replica(self, replica: str) -> None:
+        """Forget everything the replica holds."""
+        await self._target.clear_replica(replica)
+
+    async def apply(self, replica: str, ops: Sequence[IndexOp], *,
+                    position: StreamPosition | None = None) -> None:
+        """One KV-event batch's writes for the replica, in order."""
+        await self._target.apply(replica, ops, position=position)
+
+    async def stream_position(self, replica: str) -> StreamPosition | None:
+        """The position stored with the replica's last applied batch."""
+        return await self._target.stream_position(replica)
+
+    async def put_probe(
+        self,
+        salt: str,
+        replica: str,
+        block_size: int,
+        keys: Sequence[int],
+        token_ids: Sequence[int],
+        ttl_s: float,
+        *,
+        rekeyed: bool = False,
+    ) -> None:
+        """Keep what the replica's events said about a handshake probe, for ttl_s."""
+        await self._target.put_probe(salt, replica, block_size, keys, token_ids, ttl_s,
+                                     rekeyed=rekeyed)
+
+    async def get_probe(self, salt: str) -> ObservedBlocks | None:
+        """The observation stored for a probe's salt, or None."""
+        return await self._target.get_probe(salt)
+
+    async def warm(self, connections: int = DEFAULT_WARM_CONNECTIONS) -> None:
+        """Get ready to serve."""
+        await self._target.warm(connections)
+
+    async def close(self) -> None:
+        """Release connections."""
+        await self._target.close()
+
+
+class MirroredIndex(_Delegating):
+    """The PrefixIndex of a gateway on Redis with `index.mirror_events` (see module doc):
+    lookups and probes read the mirror first; every write goes to Redis."""
 
     def __init__(self, shared: RedisIndex, local: MemoryIndex) -> None:
+        super().__init__(shared)
         self.shared = shared
         self.local = local
         # Replicas whose holdings only Redis knows (no KV events: recorded decisions).
@@ -86,61 +169,9 @@ class MirroredIndex:
         answer.update((r, n) for r, n in shared.items() if r in from_shared)
         return answer
 
-    async def add(self, model: str, replica: str, keys: Sequence[int]) -> None:
-        """The replica now holds these blocks (written to Redis)."""
-        await self.shared.add(model, replica, keys)
-
-    async def remove(self, model: str, replica: str, keys: Sequence[int]) -> None:
-        """The replica evicted these blocks (written to Redis)."""
-        await self.shared.remove(model, replica, keys)
-
-    async def record(
-        self,
-        model: str,
-        replica: str,
-        keys: Sequence[int],
-        ttl_s: float,
-        *,
-        capacity_blocks: int | None = None,
-    ) -> None:
-        """The gateway sent this chain to the replica: recorded in Redis, for every gateway."""
-        await self.shared.record(model, replica, keys, ttl_s, capacity_blocks=capacity_blocks)
-
-    async def clear_replica(self, replica: str) -> None:
-        """Forget everything the replica holds, in Redis (its stream clears the mirror)."""
-        await self.shared.clear_replica(replica)
-
-    async def apply(self, replica: str, ops: Sequence[IndexOp], *,
-                    position: StreamPosition | None = None) -> None:
-        """One KV-event batch's writes, to Redis (the mirror is fed by its own streams)."""
-        await self.shared.apply(replica, ops, position=position)
-
-    async def stream_position(self, replica: str) -> StreamPosition | None:
-        """The position the indexer stored in Redis with the replica's last batch."""
-        return await self.shared.stream_position(replica)
-
-    async def put_probe(
-        self,
-        salt: str,
-        replica: str,
-        block_size: int,
-        keys: Sequence[int],
-        token_ids: Sequence[int],
-        ttl_s: float,
-        *,
-        rekeyed: bool = False,
-    ) -> None:
-        """Keep a handshake probe's observation in Redis."""
-        await self.shared.put_probe(salt, replica, block_size, keys, token_ids, ttl_s,
-                                    rekeyed=rekeyed)
-
     async def get_probe(self, salt: str) -> ObservedBlocks | None:
         """This gateway's own streams' observation of a probe, else the indexer's."""
         return await self.local.get_probe(salt) or await self.shared.get_probe(salt)
-
-    async def warm(self, connections: int = DEFAULT_WARM_CONNECTIONS) -> None:
-        """Open Redis connections and load its scripts."""
-        await self.shared.warm(connections)
 
     async def close(self) -> None:
         """Release Redis connections and the mirror."""
@@ -148,7 +179,7 @@ class MirroredIndex:
         await self.shared.close()
 
 
-class MirrorFeed:
+class MirrorFeed(_Delegating):
     """The index this gateway's own event streams write: the mirror (a MemoryIndex),
     which a stream starting up seeds from the replica's snapshot in Redis (module doc).
 
@@ -157,6 +188,7 @@ class MirrorFeed:
     """
 
     def __init__(self, local: MemoryIndex, shared: RedisIndex) -> None:
+        super().__init__(local)
         self.local = local
         self.shared = shared
 
@@ -173,63 +205,6 @@ class MirrorFeed:
         log.info("replica %s: mirror seeded from the index with %d blocks (seq %d)", replica,
                  sum(map(len, snapshot.held.values())), snapshot.position.seq)
         return snapshot.position
-
-    async def lookup(
-        self, model: str, keys: Sequence[int], *, deadline_s: float | None = None
-    ) -> dict[str, int]:
-        """The mirror's answer."""
-        return await self.local.lookup(model, keys, deadline_s=deadline_s)
-
-    async def add(self, model: str, replica: str, keys: Sequence[int]) -> None:
-        """Into the mirror."""
-        await self.local.add(model, replica, keys)
-
-    async def remove(self, model: str, replica: str, keys: Sequence[int]) -> None:
-        """From the mirror."""
-        await self.local.remove(model, replica, keys)
-
-    async def record(
-        self,
-        model: str,
-        replica: str,
-        keys: Sequence[int],
-        ttl_s: float,
-        *,
-        capacity_blocks: int | None = None,
-    ) -> None:
-        """Into the mirror (streams do not record; here for the protocol)."""
-        await self.local.record(model, replica, keys, ttl_s, capacity_blocks=capacity_blocks)
-
-    async def clear_replica(self, replica: str) -> None:
-        """From the mirror."""
-        await self.local.clear_replica(replica)
-
-    async def apply(self, replica: str, ops: Sequence[IndexOp], *,
-                    position: StreamPosition | None = None) -> None:
-        """One batch, into the mirror."""
-        await self.local.apply(replica, ops, position=position)
-
-    async def put_probe(
-        self,
-        salt: str,
-        replica: str,
-        block_size: int,
-        keys: Sequence[int],
-        token_ids: Sequence[int],
-        ttl_s: float,
-        *,
-        rekeyed: bool = False,
-    ) -> None:
-        """Into the mirror, where this gateway's handshake reads it first."""
-        await self.local.put_probe(salt, replica, block_size, keys, token_ids, ttl_s,
-                                   rekeyed=rekeyed)
-
-    async def get_probe(self, salt: str) -> ObservedBlocks | None:
-        """From the mirror."""
-        return await self.local.get_probe(salt)
-
-    async def warm(self, connections: int = DEFAULT_WARM_CONNECTIONS) -> None:
-        """Nothing to warm: the mirror is in memory."""
 
     async def close(self) -> None:
         """Nothing to close: MirroredIndex closes both indexes."""
