@@ -25,6 +25,7 @@ from .conftest import (
     GatewayClient,
     ProcessGroup,
     Reply,
+    chain_keys,
     gateway_config,
     tenant_salt,
     wait_indexed,
@@ -387,8 +388,10 @@ async def test_the_gateways_own_event_streams_rekey_a_replica_keyed_otherwise(
 
 async def test_a_gateway_started_late_seeds_its_mirror_from_the_index(
         start_gateway: Any, redis_server: Any, processes: ProcessGroup) -> None:
-    # The late gateway gets no replay endpoint: only the index can tell it what the
-    # replicas cached before it started (vLLM announces a block once, when stored).
+    # vLLM announces a block once, when stored: a gateway started later learns the
+    # history from the index's snapshot and follows the stream after the indexer's
+    # position, not by replaying the replica's buffer from 0 (bounded in vLLM: 10,000
+    # batches; the sims keep all of them, so the replay count shows which it did).
     async with AsyncSimFleet(3, block_size=16, num_blocks=4000) as fleet:
         raw = gateway_config(fleet.replicas, model=MODEL, port=free_port(),
                              index=redis_server.url)
@@ -402,24 +405,37 @@ async def test_a_gateway_started_late_seeds_its_mirror_from_the_index(
         await wait_until(subscribed, 30, "the indexer to subscribe")
         first = await start_gateway(raw)
         history = tokens(77, 800)
-        reply = await first.post("/v1/completions", completion(history))
-        assert reply.status == 200, reply.body
-        index = RedisIndex.from_url(redis_server.url)
+        replies = [await first.post("/v1/completions", completion(history))]
+        # More history on the same replica (each turn one more KV-event batch).
+        for turn in range(5):
+            held = [*history, *output_ids(replies[-1])][:-1]
+            history = [*held, *tokens(100 + turn, 32)]
+            replies.append(await first.post("/v1/completions", completion(history)))
+        reply = replies[-1]
+        assert all(r.status == 200 and r.replica == reply.replica for r in replies)
+        # A fence token only lets this reader see the positions the indexer stores.
+        index = RedisIndex.from_url(redis_server.url, fence_token=0)
         try:
             held = [*history, *output_ids(reply)][:-1]
             await wait_indexed(index, MODEL, reply.replica, held, tenant_salt("alpha"))
+            position = await index.stream_position(reply.replica)
         finally:
             await index.close()
-        late_raw = gateway_config(fleet.replicas, model=MODEL, port=free_port(),
-                                  index=redis_server.url)
-        for replica in late_raw["replicas"]:
-            del replica["kv_replay"]
-        late = await start_gateway(late_raw)
-        follow_up = [*held, *tokens(78, 40)]
-        again = await late.post("/v1/completions", completion(follow_up))
+        assert position is not None and position.seq >= len(replies)
+        late = await start_gateway(gateway_config(fleet.replicas, model=MODEL,
+                                                  port=free_port(), index=redis_server.url))
+        assert late.app_gateway is not None and late.app_gateway.index is not None
+        assert late.app_gateway.indexer is not None
+        # Seeded before serving: the mirror holds the whole run at once.
+        seeded = await late.app_gateway.index.lookup(MODEL, chain_keys(held, tenant_salt("alpha")))
+        assert seeded.get(reply.replica) == len(held) // 16, seeded
+        again = await late.post("/v1/completions", completion([*held, *tokens(78, 40)]))
         assert again.status == 200, again.body
         assert again.replica == reply.replica
-        assert again.predicted == again.cached >= 800 // 16 * 16
+        assert again.predicted == again.cached >= len(held) // 16 * 16
+        # It applied only batches after the indexer's position, none of the history.
+        applied = late.app_gateway.indexer.stats()[reply.replica].batches
+        assert applied < position.seq + 1, (applied, position)
 
 
 async def wait_mirrored(gateways: list[GatewayClient], index: RedisIndex, replica: str) -> None:
