@@ -19,13 +19,24 @@ The model, per replica:
 
   Each first byte re-anchors the queue at a measured point, so a wrong prediction is
   corrected within one request instead of accumulating.
-- `bias` is learned: each streamed request moves it by a tenth of its remaining error,
-  log(measured / predicted time to first token), over this replica's streamed requests (only those: a non-streamed
-  response's first byte comes after its last token, not its first). It corrects a
-  profile that is uniformly off (the gateway's default profile against a faster or
-  slower GPU) without any per-fleet constant, since queue and prefill are in the same
-  unit and scale together.
-
+- `bias` is learned: each streamed request's measured time to first token over its
+  prediction before any bias, log(measured / predicted), enters an exponential mean
+  (weight a tenth: about the last 20 requests count) over this replica's streamed
+  requests (only those: a non-streamed response's first byte comes after its last
+  token, not its first). It corrects a profile that is uniformly off (the gateway's
+  default profile against a faster or slower GPU) without any per-fleet constant, since
+  queue and prefill are in the same unit and scale together.
+- What the policy weighs is that bias drawn toward its fleet's (`toward_fleet`): by how
+  far it stands from the fleet's median beyond its own noise. A time to first token
+  under load is a noisy reading of a replica's speed (the queue ahead is predicted, not
+  known), and a replica whose few readings came out slow looked dearer than its peers,
+  got fewer requests, so fewer readings to correct it, and stayed there: on the
+  8-replica Mooncake synthetic window two identical sims learned 0.67-0.81 against their
+  peers' 0.48-0.56 and served 15-16 requests each against 35-56 (2026-12-05). Its own
+  bias counts in full only where it stands well beyond two standard errors of its
+  estimate from the fleet's, the errors measured from every replica's readings: an
+  untried replica takes the fleet's, and a replica really slower than its peers keeps
+  most of the difference once its readings show it.
 Pure and synchronous: the proxy calls `begin`, `first_byte` and `end`, the routing
 snapshot calls `view`; `now` is always passed in (time.monotonic in the gateway).
 """
@@ -36,26 +47,27 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-# How much one new streamed measurement moves the learned bias (in log space): about the
-# last 10 requests count, so a replica that slows down is noticed within a few seconds of
-# traffic while one odd request (a GC pause, a preemption) moves it by a tenth.
+# The weight of one new streamed measurement in the learned bias's exponential mean (in
+# log space): about the last 20 requests count, so a replica that slows down is noticed
+# within a few seconds of traffic while one odd request (a GC pause, a preemption) moves
+# it by a tenth.
 BIAS_ALPHA = 0.1
-# The learned bias never leaves [1/4, 4]: beyond that the profile is wrong, not noisy,
-# and the gateway should not trust either the profile or a runaway correction.
+# The learned bias never leaves [1/4, 4] (each measurement is clamped there first):
+# beyond that the profile is wrong, not noisy, and the gateway should not trust either
+# the profile or a runaway correction.
 BIAS_MIN, BIAS_MAX = 0.25, 4.0
-# A replica with fewer measurements than this borrows the rest of its bias from its
-# fleet (see `with_prior`): a replica that has served nothing yet (new, or back from an
-# ejection) would otherwise keep the 1.0 it started with while its peers learned that the
-# profile is, say, 4x slow, and look 4x dearer than them for ever, never sent the
-# traffic that would teach it otherwise.
-BIAS_PRIOR_SAMPLES = 5
+# The variance of one measurement's log error before any has been seen twice on one
+# replica: a spread of a factor e either way, so that the fleet's first few readings
+# (each replica's first request, all at once) count for little against each other.
+# Replaced by the measured spread from the second reading of any replica on.
+PRIOR_LOG_VAR = 1.0
 
 
 @dataclass
 class _Entry:
     sent_at: float
     prefill_s: float  # predicted, unbiased
-    predicted_ttft_s: float  # what the policy predicted at dispatch (bias included)
+    predicted_ttft_s: float  # what the policy predicted at dispatch, before the learned bias
     stream: bool
     first_byte_at: float | None = None
 
@@ -70,6 +82,10 @@ class WorkView:
     mean_prefill_s: float = 0.0  # recent mean predicted prefill of requests sent here
     bias: float = 1.0  # measured / predicted time to first token (learned)
     samples: int = 0  # streamed first bytes the bias learned from
+    # The spread of one measurement around the replica's bias: the mean squared log error
+    # of each against the bias before it, and how many such errors there were.
+    log_var: float = 0.0
+    residuals: int = 0
 
 
 @dataclass
@@ -79,8 +95,10 @@ class OutstandingWork:
     _entries: dict[int, _Entry] = field(default_factory=dict)
     _next: int = 0
     _anchor: float = 0.0  # last measured progress (see module docstring)
-    _log_bias: float = 0.0
+    _log_bias: float = 0.0  # the exponential mean of log(measured / predicted), from 0
     _samples: int = 0
+    _log_var: float = 0.0  # the exponential mean of the squared errors, from 0
+    _residuals: int = 0
     _mean_prefill_s: float = 0.0
     # Told (with `now`) after every change: router/shared_work.py shares the new state
     # with other gateways.
@@ -117,10 +135,13 @@ class OutstandingWork:
         if entry.stream and entry.predicted_ttft_s > 0:
             measured = now - entry.sent_at
             if measured > 0:
-                # The prediction already carries the current bias: move it by a share of
-                # the remaining error (in log space, so 2x slow and 2x fast weigh alike).
-                self._log_bias += BIAS_ALPHA * math.log(measured / entry.predicted_ttft_s)
-                self._log_bias = min(max(self._log_bias, math.log(BIAS_MIN)), math.log(BIAS_MAX))
+                x = min(max(math.log(measured / entry.predicted_ttft_s),
+                            math.log(BIAS_MIN)), math.log(BIAS_MAX))
+                if self._samples:
+                    error = x - _debiased(self._log_bias, self._samples)
+                    self._log_var += BIAS_ALPHA * (error * error - self._log_var)
+                    self._residuals += 1
+                self._log_bias += BIAS_ALPHA * (x - self._log_bias)
                 self._samples += 1
         self._changed(now)
 
@@ -131,7 +152,8 @@ class OutstandingWork:
 
     @property
     def bias(self) -> float:
-        return math.exp(self._log_bias)
+        """This replica's own learned bias (1.0 before any measurement)."""
+        return math.exp(_debiased(self._log_bias, self._samples))
 
     def _pending(self, now: float | None = None) -> list[_Entry]:
         """Entries whose prefill is still ahead. A non-streamed request shows no first
@@ -153,29 +175,75 @@ class OutstandingWork:
             wait = max(0.0, anchor + bias * sum(e.prefill_s for e in pending) - now)
         return WorkView(wait_s=wait, pending=len(pending),
                         decoding=len(self._entries) - len(pending),
-                        mean_prefill_s=self._mean_prefill_s, bias=bias, samples=self._samples)
+                        mean_prefill_s=self._mean_prefill_s, bias=bias, samples=self._samples,
+                        log_var=_debiased(self._log_var, self._residuals),
+                        residuals=self._residuals)
 
     def __len__(self) -> int:
         return len(self._entries)
 
 
-def fleet_bias(views: Iterable[WorkView]) -> float:
-    """The median bias of the replicas that have learned one (1.0 if none has)."""
-    learned = sorted(v.bias for v in views if v.samples >= BIAS_PRIOR_SAMPLES)
+def _debiased(mean: float, n: int) -> float:
+    """An exponential mean started at 0 after `n` updates, less its start's share."""
+    if n <= 0:
+        return 0.0
+    return mean / (1.0 - (1.0 - BIAS_ALPHA) ** n)
+
+
+def _estimate_variance(n: int) -> float:
+    """The variance of a debiased exponential mean of `n` readings, in units of one
+    reading's: 1 for one reading, falling to alpha / (2 - alpha) (about 19 readings'
+    worth) as they accumulate."""
+    if n <= 0:
+        return math.inf
+    a = BIAS_ALPHA
+    return a / (2 - a) * (1 - (1 - a) ** (2 * n)) / (1 - (1 - a) ** n) ** 2
+
+
+@dataclass(frozen=True)
+class FleetBias:
+    """What a replica's bias is drawn toward: the fleet's median learned bias, and the
+    spread of one measurement around a replica's bias, pooled over the fleet."""
+
+    log_bias: float = 0.0
+    log_var: float = PRIOR_LOG_VAR
+
+    @property
+    def bias(self) -> float:
+        return math.exp(self.log_bias)
+
+
+def fleet_bias(views: Iterable[WorkView]) -> FleetBias:
+    """The median bias of the replicas that have learned one (1.0 if none has), and the
+    pooled spread of their measurements (PRIOR_LOG_VAR until some replica has two)."""
+    views = list(views)
+    learned = sorted(math.log(v.bias) for v in views if v.samples)
     if not learned:
-        return 1.0
+        return FleetBias()
     mid = len(learned) // 2
-    return learned[mid] if len(learned) % 2 else math.sqrt(learned[mid - 1] * learned[mid])
+    median = learned[mid] if len(learned) % 2 else (learned[mid - 1] + learned[mid]) / 2
+    residuals = sum(v.residuals for v in views)
+    if residuals == 0:
+        return FleetBias(median)
+    return FleetBias(median, sum(v.log_var * v.residuals for v in views) / residuals)
 
 
-def with_prior(view: WorkView, prior: float) -> WorkView:
-    """`view` with its bias blended toward the fleet's while it has few measurements.
+def toward_fleet(view: WorkView, fleet: FleetBias) -> WorkView:
+    """`view` with its bias drawn toward the fleet's, by its own evidence (see the module
+    docstring); its queue, already scaled by its own bias, is rescaled to match.
 
-    Blended in log space by sample count, so the replica's own measurements take over
-    as they arrive; its queue, already scaled by its own bias, is rescaled to match.
+    The share of its own deviation d it keeps is d^2 / (d^2 + (2 se)^2), se the standard
+    error of its estimate (the fleet's spread over the readings it rests on): none for
+    an untried replica, half at two standard errors, 80% at four, smoothly between.
     """
-    if view.samples >= BIAS_PRIOR_SAMPLES:
+    if view.samples == 0:
+        log_bias = fleet.log_bias
+    else:
+        d = math.log(view.bias) - fleet.log_bias
+        noise = 4.0 * fleet.log_var * _estimate_variance(view.samples)
+        keep = d * d / (d * d + noise) if d * d + noise > 0 else 1.0
+        log_bias = fleet.log_bias + keep * d
+    bias = math.exp(log_bias)
+    if bias == view.bias:
         return view
-    own = view.samples / BIAS_PRIOR_SAMPLES
-    bias = math.exp(own * math.log(view.bias) + (1 - own) * math.log(prior))
     return replace(view, bias=bias, wait_s=view.wait_s * bias / view.bias)

@@ -37,7 +37,7 @@ from router.hashing import (
 )
 from router.index import IndexUnavailable, PrefixIndex
 from router.native import pack_ids
-from router.outstanding import WorkView, fleet_bias, with_prior
+from router.outstanding import WorkView, fleet_bias, toward_fleet
 from router.pending import PendingChains, merge_matches
 from router.policy.pipeline import NoReplicasError
 from router.policy.types import ReplicaState, RoutingDecision, RoutingRequest
@@ -635,11 +635,11 @@ class RoutingPipeline:
             matches = self._with_pending(parsed.model, readable, members, lookup, now)
         elif overlapping:
             matches = self._with_pending(parsed.model, readable, members, lookup, now)
-        # A replica with little traffic yet borrows its fleet's learned TTFT bias.
+        # Each replica's learned TTFT bias, drawn toward its fleet's by its own evidence.
         views = {r.replica_id: r.work.view(now) for r in replicas}
-        prior = fleet_bias(views.values())
+        fleet = fleet_bias(views.values())
         states = [snapshot(r, matches.get(r.replica_id, 0), now,
-                           with_prior(views[r.replica_id], prior),
+                           toward_fleet(views[r.replica_id], fleet),
                            peers.get(r.replica_id, NO_PEER_WORK)) for r in replicas]
         primary = max(prompt.keys.items(), key=lambda kv: len(members[kv[0]]),
                       default=(None, ()))[1]

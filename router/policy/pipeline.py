@@ -108,8 +108,11 @@ class Policy:
             predicted_cached=MappingProxyType(
                 {rid: e.cached_tokens for rid, e in estimates.items()}
             ),
+            # The TTFT before the learned bias: what the bias is learned against.
             predicted_work=MappingProxyType(
-                {rid: (e.queued_work_s, e.total_s) for rid, e in estimates.items()}
+                {r.replica_id: (estimates[r.replica_id].queued_work_s,
+                                estimates[r.replica_id].total_s / (r.bias or 1.0))
+                 for r in eligible}
             ),
         )
 

@@ -170,7 +170,8 @@ class RoutingDecision:
     costs: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     predicted_cached: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     # replica id -> (the prefill work it queues there, by the profile, less the per-step
-    # base; predicted TTFT seconds): what the proxy enters in the replica's
+    # base; predicted TTFT seconds before the replica's learned bias, which is learned
+    # against it): what the proxy enters in the replica's
     # outstanding-work account when it sends there.
     predicted_work: Mapping[str, tuple[float, float]] = field(
         default_factory=lambda: MappingProxyType({}))
