@@ -313,6 +313,7 @@ def _policy(s: _Section) -> PolicyConfig:
         work_relative=s.get("work_relative", _bool, d.work_relative),
         share_work=s.get("share_work", _bool, d.share_work),
         spread_ties=s.get("spread_ties", _bool, d.spread_ties),
+        fleet_waiting=s.get("fleet_waiting", _bool, d.fleet_waiting),
     )
     if out.kv_threshold >= 1.0:
         raise ConfigError(s.sub("kv_threshold"), f"must be below 1.0, got {out.kv_threshold!r}")

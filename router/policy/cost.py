@@ -36,6 +36,7 @@ What cache_aware minimises is that TTFT plus the delay its prefill adds for othe
     work      = prefill - base_s               # (unbiased) what it adds to the queue there
     least_work = min over the candidates of work   # where its best cache match is
     waiting   = pending + max(external_left, peer_pending)  # waiting for a prefill there
+              (with `fleet_waiting`: at least the mean of that over the candidates)
     external_left = the scraped external_waiting less those served since (as in `work`)
 
 Every second of prefill a replica spends on this request delays each request that queues
@@ -51,6 +52,12 @@ soonest instead of to the fewest-waiting replica. Measured, it did not pay (docs
 charging the whole prefill sends long cold prompts to short lines and keeps the many
 short ones quicker, and the long ones' tail did not measurably grow. So it is off by
 default.
+
+With `fleet_waiting` the requests a prefill delays are at least the fleet's mean waiting
+per replica: on a fleet past its capacity an idle replica does not stay idle (the
+router itself sends the next requests where the queue is shortest), so a cold prefill
+there delays about as many requests as anywhere, and a cache hit on a busier holder
+saves that fleet's capacity. Off by default (docs/POLICY.md has the runs).
 
 The hot term is the guard against hot-spotting. A popular prefix keeps landing on the one
 replica holding it until that replica's queue costs more than a whole cold prefill; well
@@ -126,9 +133,41 @@ def least_work(request: RoutingRequest, replicas: Sequence[ReplicaState],
     return min((queued_work(request, r, config) for r in replicas), default=0.0)
 
 
+def _others_waiting(request: RoutingRequest, replica: ReplicaState,
+                    config: PolicyConfig) -> tuple[float, float]:
+    """Other clients' waiting requests on the replica as seconds of queue and as a count,
+    both drained since the scrape: (external_s, external_now)."""
+    profile: PrefillProfile = replica.profile or config.prefill
+    n = request.num_prompt_tokens
+    typical = replica.mean_prefill_s or profile.seconds(n, n)
+    # Others' waiting requests as the scrape saw them, drained since (first come, first
+    # served, like ours): a scrape up to an interval old must not keep a replica that has
+    # long since served them looking busy.
+    each_s = replica.bias * typical
+    external_s = max(0.0, replica.external_waiting * each_s - replica.scrape_age_s)
+    external_now = external_s / each_s if each_s > 0 else float(replica.external_waiting)
+    return external_s, external_now
+
+
+def waiting_for_prefill(request: RoutingRequest, replica: ReplicaState,
+                        config: PolicyConfig) -> float:
+    """Requests waiting for a prefill on the replica now: ours without a first byte, and
+    the larger of others' from the scrape and other gateways' shared count."""
+    return replica.pending + max(_others_waiting(request, replica, config)[1],
+                                 replica.peer_pending)
+
+
+def mean_waiting(request: RoutingRequest, replicas: Sequence[ReplicaState],
+                 config: PolicyConfig) -> float:
+    """The mean of waiting_for_prefill over `replicas` (0 for none)."""
+    if not replicas:
+        return 0.0
+    return sum(waiting_for_prefill(request, r, config) for r in replicas) / len(replicas)
+
+
 def estimate_ttft(
     request: RoutingRequest, replica: ReplicaState, fleet_mean_load: float, config: PolicyConfig,
-    least_work_s: float = 0.0,
+    least_work_s: float = 0.0, floor_waiting: float = 0.0,
 ) -> TtftEstimate:
     """Predicted TTFT of `request` on `replica` (see the module docstring for the formula)."""
     cached = cached_tokens(request, replica)
@@ -139,12 +178,7 @@ def estimate_ttft(
     prefill_s = bias * profile.seconds(uncached, n)
     queued_work_s = queued_work(request, replica, config)
 
-    typical = replica.mean_prefill_s or profile.seconds(n, n)
-    # Others' waiting requests as the scrape saw them, drained since (first come, first
-    # served, like ours): a scrape up to an interval old must not keep a replica that has
-    # long since served them looking busy.
-    each_s = bias * typical
-    external_s = max(0.0, replica.external_waiting * each_s - replica.scrape_age_s)
+    external_s, external_now = _others_waiting(request, replica, config)
     # Other gateways' queue twice over: shared through Redis (fresh, theirs only) and in
     # the scrape (late, every client's). The same requests: take the larger, not the sum.
     work_s = replica.queued_prefill_s + max(external_s, replica.peer_wait_s)
@@ -168,8 +202,9 @@ def estimate_ttft(
     # The requests waiting there now stand for those that will queue behind this one:
     # an idle replica delays no one by taking a cold prefill, a backed-up one does.
     # Others' from the scrape count as drained as the queue term drains them: a request
-    # the replica served since the scrape waits behind no one.
-    external_now = external_s / each_s if each_s > 0 else float(replica.external_waiting)
-    waiting_there = replica.pending + max(external_now, replica.peer_pending)
+    # the replica served since the scrape waits behind no one. `floor_waiting`
+    # (fleet_waiting): at least the fleet's mean, which an idle replica soon has too.
+    waiting_there = max(replica.pending + max(external_now, replica.peer_pending),
+                        floor_waiting)
     delay_s = config.work_weight * waiting_there * bias * max(0.0, queued_work_s - least_work_s)
     return TtftEstimate(cached, queue_s, hot_s, prefill_s, queued_work_s, delay_s)

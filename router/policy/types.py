@@ -63,6 +63,9 @@ class PolicyConfig:
     `spread_ties`: among near-equal replicas cache_aware takes those with the least work
     queued ahead (True, the default; False samples them by score alone; docs/POLICY.md
     has the runs that decided it).
+    `fleet_waiting`: the requests a prefill delays are at least the fleet's mean waiting
+    per replica, not only those waiting where it goes (False, the default; see
+    router/policy/cost.py and docs/POLICY.md for the runs).
     `weights` overrides the policy's scorer weights by
     scorer name.
     """
@@ -86,6 +89,7 @@ class PolicyConfig:
     work_relative: bool = False
     share_work: bool = True
     spread_ties: bool = True
+    fleet_waiting: bool = False
 
 
 @dataclass(frozen=True)

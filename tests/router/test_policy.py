@@ -549,6 +549,26 @@ def test_an_idle_replica_takes_a_cold_prefill_without_a_penalty() -> None:
     assert policy().decide(request(), [holder, idle]).replica_id == "r1"
 
 
+def test_fleet_waiting_counts_the_queue_an_idle_replica_will_have() -> None:
+    # A fleet past its capacity: the holder and two more replicas each have three
+    # requests waiting, one replica is idle. By its own queue the idle one delays no one
+    # with a cold prefill and wins; with fleet_waiting it delays the fleet's mean (2.25),
+    # which the router will soon send it, and the holder's cheap hit wins.
+    holder = ReplicaState("r0", block_size=16, matched_blocks=FULL, pending=3,
+                          queued_prefill_s=0.1)
+    busy = [ReplicaState(f"r{i}", block_size=16, pending=3, queued_prefill_s=0.1)
+            for i in (1, 2)]
+    idle = ReplicaState("r3", block_size=16)
+    fleet = [holder, *busy, idle]
+    assert policy(tolerance=0.0).decide(request(), fleet).replica_id == "r3"
+    d = policy(tolerance=0.0, fleet_waiting=True).decide(request(), fleet)
+    assert d.replica_id == "r0"
+    # An idle fleet has no mean to count: the choice is as without it.
+    calm = [replace(r, pending=0, queued_prefill_s=0.0) for r in fleet]
+    assert (policy(fleet_waiting=True, seed=3).decide(request(), calm).replica_id
+            == policy(seed=3).decide(request(), calm).replica_id)
+
+
 def test_delay_to_others_is_charged_only_above_the_least_work_it_could_cost() -> None:
     # work_relative: a long cold prompt, cold everywhere, costs the same prefill wherever
     # it goes, so no choice saves anyone anything, and it goes where its first token comes soonest
