@@ -40,7 +40,7 @@ from router.discovery import (
 )
 from router.handshake import run_handshake
 from router.index import PrefixIndex
-from router.outstanding import OutstandingWork
+from router.outstanding import FleetBias, OutstandingWork, fleet_bias, toward_fleet
 
 # Probe token ids stay below this so any vocabulary, however small, accepts them.
 _PROBE_VOCAB = 1000
@@ -154,11 +154,13 @@ class Replica:
         """Healthy and not ejected: eligible for new requests."""
         return self.healthy and not self.ejected(now) and not self.removed
 
-    def describe(self, now: float) -> dict[str, object]:
+    def describe(self, now: float, fleet: FleetBias | None = None) -> dict[str, object]:
         """The replica's state as /ready reports it, with what cache_aware weighs there:
-        our queued prefill, the TTFT bias learned from its answers, and the load the last
-        scrape saw beyond our own requests (a replica the policy avoids says why here)."""
-        work = self.work.view(now)
+        our queued prefill, the TTFT bias learned from its answers (its own, and drawn
+        toward `fleet`'s as the policy weighs it), and the load the last scrape saw beyond
+        our own requests (a replica the policy avoids says why here)."""
+        own = self.work.view(now)
+        work = toward_fleet(own, fleet) if fleet is not None else own
         external_running, external_waiting = self.external()
         if self.ejected(now):
             state = "ejected"
@@ -173,8 +175,8 @@ class Replica:
             "models": list(self.target.models), "inflight": self.inflight,
             "running": self.running, "waiting": self.waiting, "kv_usage": self.kv_usage,
             "queued_prefill_s": round(work.wait_s, 4), "pending": work.pending,
-            "decoding": work.decoding, "ttft_bias": round(work.bias, 3),
-            "bias_samples": work.samples, "external_running": external_running,
+            "decoding": work.decoding, "ttft_bias": round(own.bias, 3),
+            "ttft_bias_weighed": round(work.bias, 3), "bias_samples": work.samples, "external_running": external_running,
             "external_waiting": external_waiting,
             "consecutive_failures": self.consecutive_failures, "last_error": self.last_error,
             "ejected_for_s": round(max(0.0, self.ejected_until - now), 3),
@@ -457,7 +459,11 @@ class Fleet:
 
     def describe(self) -> list[dict[str, object]]:
         now = self._clock()
-        return [r.describe(now) for r in sorted(self.all(), key=lambda r: r.replica_id)]
+        replicas = sorted(self.all(), key=lambda r: r.replica_id)
+        # The fleet the bias is drawn toward: every replica here (routing draws it toward
+        # the replicas serving the request's model, the same set in a one-model fleet).
+        fleet = fleet_bias(r.work.view(now) for r in replicas)
+        return [r.describe(now, fleet) for r in replicas]
 
 
 async def verify_keys(session: aiohttp.ClientSession, index: PrefixIndex, replica: Replica,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import threading
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,6 +22,7 @@ from router.app import build_app, running_gateway
 from router.config import HealthConfig, ProxyConfig, build_config
 from router.hashing import HashConfig
 from router.metrics import GatewayMetrics
+from router.outstanding import FleetBias
 from router.proxy import Forwarder, RetryBudget, UpstreamRequest
 from router.replicas import (
     Fleet,
@@ -599,6 +601,12 @@ def test_ready_shows_what_the_policy_weighs_on_each_replica() -> None:
     # Its own reading (the policy draws it toward the fleet's: router/outstanding.py).
     assert state["ttft_bias"] == pytest.approx(2.0, abs=1e-3)
     assert state["queued_prefill_s"] == pytest.approx(0.3 * 2.0, abs=1e-3)
+    # Beside a fleet that reads 0.5, one reading of 2.0 is weighed much nearer 0.5.
+    weighed = replica.describe(0.2, FleetBias(math.log(0.5)))
+    assert weighed["ttft_bias"] == pytest.approx(2.0, abs=1e-3)
+    assert 0.5 < weighed["ttft_bias_weighed"] < 1.0
+    assert weighed["queued_prefill_s"] == pytest.approx(0.3 * weighed["ttft_bias_weighed"],
+                                                        abs=2e-3)
     replica.work.end(second, 0.3)
 
 
