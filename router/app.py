@@ -330,6 +330,15 @@ async def _indexer_ctx(app: web.Application) -> AsyncIterator[None]:
     def on_unhealthy(replica: Replica) -> None:
         # A replica failing health checks may be restarting with an empty cache: drop
         # its entries now; its stream resyncs (replay from 0) with its next event.
+        # Not in a mirror of the Redis index: it answers for the indexer, which keeps
+        # its entries through a missed health check (it sees no health checks) and
+        # clears them only on its stream's evidence of a restart (router/events/
+        # sequence.py), which the mirror's stream acts on as well. Clearing on one slow
+        # /health (a 1 s deadline on a busy host) made the mirror claim no hit where
+        # Redis and the replica had it, until the replay rebuilt it; an unhealthy
+        # replica gets no requests meanwhile anyway.
+        if isinstance(index, MirrorFeed):
+            return
         stream = indexer.streams.get(replica.replica_id)
         if stream is not None:
             gw.spawn(ignore_errors(stream.mark_stale()), f"stale-{replica.replica_id}")
