@@ -149,12 +149,16 @@ def _others_waiting(request: RoutingRequest, replica: ReplicaState,
     return external_s, external_now
 
 
+def _waiting(replica: ReplicaState, external_now: float) -> float:
+    """Requests waiting for a prefill on the replica now: ours without a first byte, and
+    the larger of others' from the scrape (`external_now`) and other gateways' count."""
+    return replica.pending + max(external_now, replica.peer_pending)
+
+
 def waiting_for_prefill(request: RoutingRequest, replica: ReplicaState,
                         config: PolicyConfig) -> float:
-    """Requests waiting for a prefill on the replica now: ours without a first byte, and
-    the larger of others' from the scrape and other gateways' shared count."""
-    return replica.pending + max(_others_waiting(request, replica, config)[1],
-                                 replica.peer_pending)
+    """_waiting with others' scraped requests drained since the scrape."""
+    return _waiting(replica, _others_waiting(request, replica, config)[1])
 
 
 def mean_waiting(request: RoutingRequest, replicas: Sequence[ReplicaState],
@@ -204,7 +208,6 @@ def estimate_ttft(
     # Others' from the scrape count as drained as the queue term drains them: a request
     # the replica served since the scrape waits behind no one. `floor_waiting`
     # (fleet_waiting): at least the fleet's mean, which an idle replica soon has too.
-    waiting_there = max(replica.pending + max(external_now, replica.peer_pending),
-                        floor_waiting)
+    waiting_there = max(_waiting(replica, external_now), floor_waiting)
     delay_s = config.work_weight * waiting_there * bias * max(0.0, queued_work_s - least_work_s)
     return TtftEstimate(cached, queue_s, hot_s, prefill_s, queued_work_s, delay_s)
