@@ -51,6 +51,7 @@ from typing import Any
 import aiohttp
 
 from loadgen.driver import Driver, DriverConfig, RequestRecord, RunResult
+from loadgen.floor import ttft_floor
 from loadgen.gateway_under_test import (
     DEFAULT_GATEWAY_PROFILE,
     GATEWAY_PROFILES,
@@ -80,6 +81,7 @@ from loadgen.workload_flags import (
 )
 from loadgen.workloads import TOKEN_LOW
 from replica.processes import redis_server
+from replica.profiles import load_profile
 
 __all__ = ["DEFAULT_TRACE", "Comparison", "HarnessError", "add_arguments", "run",
            "run_comparison"]
@@ -589,13 +591,17 @@ def run_comparison(args: argparse.Namespace, console: Any = None) -> Comparison:
             from router.tokenize import PromptTokenizer
 
             chat_tokens = PromptTokenizer.from_dir(args.model_dir).chat_tokens
-        oracle = bounds(oracle_stream(runs[0].result.records, chat_tokens), args.block_size,
-                        args.replicas * fleet.blocks_per_replica)
+        stream = oracle_stream(runs[0].result.records, chat_tokens)
+        oracle = bounds(stream, args.block_size, args.replicas * fleet.blocks_per_replica)
         for run in runs:
             run.oracle = oracle
+        floor = None
+        if args.replica_kind == "sim":  # a real server's step cost is not known exactly
+            floor = ttft_floor([len(r.prompt_token_ids) for r in stream],
+                               oracle.pooled.per_request, load_profile(args.prefill_profile))
         meta = _meta(args, use_redis, profile, skipped, len(shared))
         files = write_report(args.out, runs, meta, time_scale=args.time_scale,
-                             plots=not args.no_plots)
+                             plots=not args.no_plots, floor=floor)
     return Comparison(runs, files, index, skipped, profile)
 
 

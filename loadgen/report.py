@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from loadgen.driver import RequestRecord, RunResult
+from loadgen.floor import TtftFloor
 from loadgen.oracle import OracleBounds
 from loadgen.rounds import aggregate, ratios_against_peers
 
@@ -181,6 +182,21 @@ def ratio_lines(ratios: dict[str, dict[str, Any]], ours: str = OURS) -> list[str
     return out
 
 
+def floor_lines(floor: TtftFloor, aggregated: Sequence[dict[str, Any]]) -> list[str]:
+    """The TTFT floor (floor.py) and each policy's median p50 and p99 as multiples of it."""
+    p50, p99 = floor.percentile(50), floor.percentile(99)
+    out = [f"- TTFT floor, each request alone on a sim holding the pooled oracle's prefix "
+           f"(no queue, no router; floor.py): p50 {_ms(p50)} ms, p99 {_ms(p99)} ms"]
+    for a in aggregated:
+        mine50 = (a.get("ttft_p50_s") or {}).get("median")
+        mine99 = (a.get("ttft_p99_s") or {}).get("median")
+        if mine50 is None or mine99 is None or not p50 or not p99:
+            continue
+        out.append(f"  - {a['policy']}: p50 {mine50 / p50:.2f}x, p99 {mine99 / p99:.2f}x "
+                   "the floor's")
+    return out
+
+
 def _plots(runs: Sequence[PolicyRun], out: Path, time_scale: float) -> list[Path]:
     import matplotlib
 
@@ -262,7 +278,8 @@ def _over_time(records: Sequence[RequestRecord], time_scale: float,
 
 
 def write_report(out: Path, runs: Sequence[PolicyRun], meta: dict[str, Any],
-                 time_scale: float = 1.0, plots: bool = True) -> ReportFiles:
+                 time_scale: float = 1.0, plots: bool = True,
+                 floor: TtftFloor | None = None) -> ReportFiles:
     """Write results.json, report.md and the plots into `out`; returns their paths.
 
     With several rounds (runs of the same policy with different `round`), the report
@@ -283,6 +300,8 @@ def write_report(out: Path, runs: Sequence[PolicyRun], meta: dict[str, Any],
         results["over_rounds"] = aggregated
     if ratios:
         results["ratios_against_best_peer"] = ratios
+    if floor is not None:
+        results["ttft_floor"] = floor.as_dict()
     results_json = out / "results.json"
     results_json.write_text(json.dumps(results, indent=1) + "\n")
     lines = ["# Routing policy comparison", ""]
@@ -295,6 +314,8 @@ def write_report(out: Path, runs: Sequence[PolicyRun], meta: dict[str, Any],
         lines += ["", "## Over rounds: median (min-max)", "", rounds_table(aggregated)]
     if ratios:
         lines += ["", *ratio_lines(ratios), ""]
+    if floor is not None:
+        lines += [*([] if ratios else [""]), *floor_lines(floor, aggregated), ""]
     if repeated:
         lines += ["## Every run", ""]
         table = markdown_table([{**row, "policy": f"{row['policy']} (round {row['round'] + 1})"}

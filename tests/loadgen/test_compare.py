@@ -83,6 +83,13 @@ def test_compare_two_policies_end_to_end(tmp_path: Path, tiny_model_dir: Path) -
     md = (out / "report.md").read_text()
     assert "| round_robin |" in md and "| cache_aware*2 |" in md
     assert "index: redis" in md
+    # The floor no router beats (each request alone, the oracle's prefix cached): below
+    # every policy's measured TTFT percentiles, and printed beside them.
+    floor = data["ttft_floor"]
+    assert 0 < floor["p50_s"] <= floor["p99_s"]
+    for row in rows.values():
+        assert floor["p50_s"] < row["ttft_p50_s"] and floor["p99_s"] < row["ttft_p99_s"]
+    assert f"p50 {floor['p50_s'] * 1000:.1f} ms" in md and "TTFT floor" in md
     # Configured as a user would: `replica calibrate` against a sim, not its coefficients.
     profile = comparison.gateway_profile
     assert profile is not None and profile.choice == "calibrated" and profile.prefill
@@ -305,6 +312,7 @@ def test_compare_on_a_real_vllm_replica(tmp_path: Path, tiny_model_dir: Path) ->
     assert [r["cached_tokens"] for r in records] == [0, 96, 96, 96, 128, 128]
     assert all(r["answer_from_server"] for r in records)
     assert data["policies"][0]["oracle_unlimited_hit_rate"] == pytest.approx(544 / 888)
+    assert "ttft_floor" not in data  # a real server's step cost is not known exactly
 
 
 def test_repeats_below_one_is_refused_by_name(tmp_path: Path) -> None:
