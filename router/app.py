@@ -223,15 +223,18 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
     fleet.listeners.removed.append(forget)
     await fleet.start()
     shared = gw.pipeline.shared
-    heartbeat = None if shared is None else gw.spawn(shared.heartbeat(
-        lambda: {r.replica_id: r.work.view(fleet.now()) for r in fleet.all()}),
-        "shared-work-heartbeat")
+    jobs = [] if shared is None else [
+        gw.spawn(shared.heartbeat(
+            lambda: {r.replica_id: r.work.view(fleet.now()) for r in fleet.all()}),
+            "shared-work-heartbeat"),
+        gw.spawn(shared.follow(), "shared-work-follow")]
     yield
     if gw.pipeline.segments is not None:
         await gw.pipeline.segments.drain()  # each report is bounded by its own deadline
-    if shared is not None and heartbeat is not None:
-        heartbeat.cancel()
-        await asyncio.gather(heartbeat, return_exceptions=True)
+    if shared is not None:
+        for job in jobs:
+            job.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
         await shared.close()
     await fleet.close()
 

@@ -606,17 +606,22 @@ class RoutingPipeline:
         # vLLM does not read its prefix cache for this request: no replica gets credit.
         skips = skips_prefix_cache(parsed.body, parsed.endpoint == "chat")
         readable: Mapping[HashConfig, tuple[int, ...]] = {} if skips else prompt.keys
-        # Other gateways' work, read beside the lookup and under the same deadline. While
-        # the last read found no other gateway, the heartbeat's re-check runs without
-        # holding this request (router/shared_work.py).
+        # Other gateways' work: from the gateway's followed copy of the shared hash, or
+        # where it is not followed (the change feed is down), read beside the lookup and
+        # under the same deadline. While the last read found no other gateway, the
+        # heartbeat's re-check runs without holding this request (router/shared_work.py).
         peers_read = None
+        followed = None
         if self.shared is not None:
-            peers_read = self.shared.refresh(2 * self.index_deadline_s)
-            if self.shared.alone:
-                peers_read = None
+            followed = self.shared.followed()
+            if followed is None:
+                peers_read = self.shared.refresh(2 * self.index_deadline_s)
+                if self.shared.alone:
+                    peers_read = None
         lookup = await lookup_matches(self.index, parsed.model, readable, members,
                                       self.index_deadline_s, turn)
-        peers = await _peer_work(peers_read, self.index_deadline_s - lookup.seconds, turn)
+        peers = followed if followed is not None else await _peer_work(
+            peers_read, self.index_deadline_s - lookup.seconds, turn)
         # Tokenizing and the lookup took time (a burst is prepared one request after
         # another): the outstanding work is read as of now, not as of the request's arrival.
         now = self.clock()

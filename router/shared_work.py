@@ -8,8 +8,11 @@ for the first (issue #16: agent TTFT p99 566 -> 697 ms from 1 to 4 gateways).
 
 So each gateway writes, per replica, when its queue there ends and how many of its
 requests are pending (no first byte yet) and decoding there, into one Redis hash
-(field "GATEWAY/REPLICA"), whenever that changes; and reads the whole hash beside every
-index lookup (concurrently, under the lookup's deadline). The others' work then counts
+(field "GATEWAY/REPLICA"), whenever that changes, and publishes the same change on a
+channel in the same round trip. Each gateway follows that channel (`follow`): it
+subscribes, seeds a copy of the hash with one read, and applies every change as it
+comes, so routing reads the others' work from memory and waits for no round trip (as
+its prefix lookups read the mirror of the KV events). The others' work then counts
 with its own.
 
     value = "busy_until pending decoding written"     (wall-clock seconds)
@@ -21,30 +24,35 @@ gateway rewrites all of its fields every `heartbeat_s`, deletes them when it sto
 deletes other gateways' fields that have been stale for `forget_s`. Writes are
 fire-and-forget and coalesced (the latest value per replica, one write in flight), so a
 burst costs a few round trips, not one per request; a lost write is repaired by the next
-change or the heartbeat. With Redis away the gateway sees only its own work, as before.
+change or the heartbeat.
 
-Cost: one HGETALL per routed request of gateways x replicas short fields (see
-docs/SCALING.md for what that is at fleet scale); requests routed while a read is in
-flight share it (`refresh`). A gateway whose last read found no other gateway skips the
-read for `heartbeat_s` (`read_due`): alone it would only read its own fields, at 0.17 ms
-of CPU per request here; a gateway that joins is seen within a heartbeat. Nor does a
-request wait for that heartbeat's re-check: it routes as alone while the read runs (the
-caller's choice, router/routing.py). Trace workloads arrive in bursts a second or more
-apart, so every burst found the re-check due and each of its requests waited for its
-own HGETALL: ~7 ms of a busy 2-core host's route step at the median, one gateway alone
-(the Mooncake conversation window, 8 sims).
+The feed carries each gateway's own heartbeat back to it, so a feed silent for three
+heartbeats is broken (a half-open connection raises nothing): the copy is dropped and
+rebuilt. While there is no copy, routing reads the whole hash beside each lookup, under
+the lookup's deadline, one read in flight shared by a burst (`refresh`); a gateway whose
+last read found no other gateway skips the read for `heartbeat_s` (`read_due`) and does
+not hold requests for the re-check. With Redis away the gateway sees only its own work.
+
+Cost: each change is delivered to every gateway (a few per routed request, coalesced,
+plus every field once a heartbeat); after a change, the next request parses the copy,
+gateways x replicas short fields, as a read did, and between changes drains the last
+parse by the clock. Measured against the read per request it replaced, 4 gateways on
+one core: the route step 1.66 against 2.15 ms at the median
+(results/follow-shared-work-groups-x4-seed277).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
+import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -61,9 +69,22 @@ class PeerWork:
     wait_s: float = 0.0  # seconds of their prefill still queued there, summed
     pending: int = 0  # their requests there without a first byte yet
     decoding: int = 0  # theirs past the first byte, not finished
+    busy: int = 0  # gateways whose queue there had not ended: wait_s drains this fast
+
+    def drained(self, seconds: float) -> PeerWork:
+        """As `seconds` later: each busy gateway's queue a second shorter per second (an
+        overestimate only where one of them ends within `seconds`)."""
+        if seconds <= 0 or not self.busy:
+            return self
+        return PeerWork(max(0.0, self.wait_s - self.busy * seconds), self.pending,
+                        self.decoding, self.busy)
 
 
 NO_PEER_WORK = PeerWork()
+
+# A change message: field -> its new value, or None where the field was deleted.
+_CHANGES = msgspec.msgpack.Encoder()
+_CHANGES_DECODER = msgspec.msgpack.Decoder(dict[bytes, bytes | None])
 
 
 def _retrieve(read: asyncio.Future[dict[str, PeerWork]]) -> None:
@@ -105,7 +126,8 @@ def parse(raw: Mapping[bytes, bytes], own_gateway: str, wall: float, stale_s: fl
         rid = replica.decode(errors="replace")
         prev = out.get(rid, NO_PEER_WORK)
         out[rid] = PeerWork(prev.wait_s + max(0.0, busy - wall),
-                            prev.pending + max(0, pending), prev.decoding + max(0, decoding))
+                            prev.pending + max(0, pending), prev.decoding + max(0, decoding),
+                            prev.busy + (busy > wall))
     return out, dead
 
 
@@ -116,6 +138,7 @@ class SharedWork:
                  stale_s: float = 3.0, heartbeat_s: float = 1.0, forget_s: float = 60.0,
                  write_timeout_s: float = 0.5, clock: Callable[[], float] = time.time) -> None:
         self.key = f"{namespace}:work".encode()
+        self.channel = f"{namespace}:work:changes".encode()
         self.gateway_id = gateway_id or secrets.token_hex(6)
         self.stale_s = stale_s
         self.heartbeat_s = heartbeat_s
@@ -129,6 +152,11 @@ class SharedWork:
         self._flushing: asyncio.Task[None] | None = None
         self._alone_until = float("-inf")  # no read is due before this (read_due)
         self._reading: asyncio.Future[dict[str, PeerWork]] | None = None  # the one in flight
+        # The hash as the change feed left it (`follow`); None while not following.
+        self._copy: dict[bytes, bytes] | None = None
+        self._copy_version = 0
+        self._heard_at = 0.0  # time.monotonic() of the feed's last message
+        self._parsed: tuple[int, float, dict[str, PeerWork]] | None = None
         self.alone = False  # the last read found no other live gateway
         self.write_failures = 0
 
@@ -144,10 +172,14 @@ class SharedWork:
     async def _flush(self) -> None:
         while self._dirty:
             batch, self._dirty = self._dirty, {}
+            fields: dict[Any, bytes] = {self._field(rid): v for rid, v in batch.items()}
             try:
-                await within(self._redis.hset(
-                    self.key, mapping={self._field(rid): v for rid, v in batch.items()}),
-                    self._write_timeout_s)
+                # The hash for whoever reads or seeds from it, the change for followers:
+                # one round trip (a reader between the two sees the new value twice).
+                pipe = self._redis.pipeline(transaction=False)
+                pipe.hset(self.key, mapping=fields)
+                pipe.publish(self.channel, _CHANGES.encode(fields))
+                await within(pipe.execute(), self._write_timeout_s)
             except (RedisError, OSError, TimeoutError) as exc:
                 # Lost: the next change or the heartbeat writes it again.
                 self.write_failures += 1
@@ -194,6 +226,83 @@ class SharedWork:
         self._alone_until = wall + self.heartbeat_s if self.alone else float("-inf")
         return peers
 
+    def followed(self) -> dict[str, PeerWork] | None:
+        """Other gateways' work per replica id from the followed copy of the hash (no
+        round trip: routing waits for nothing), or None while not following (routing
+        then reads per request). Parsed again only after a change: between changes the
+        last parse is drained by the clock."""
+        if self._copy is None or not self._feed_alive():
+            return None
+        wall = self._clock()
+        if self._parsed is not None and self._parsed[0] == self._copy_version:
+            _, at, peers = self._parsed
+            return {rid: work.drained(wall - at) for rid, work in peers.items()}
+        peers, dead = parse(self._copy, self.gateway_id, wall, self.stale_s, self.forget_s)
+        for name in dead:
+            self._copy.pop(name, None)
+        if dead:
+            self._dead = dead  # deleted from the hash by the next heartbeat
+        self.alone = not peers  # as a read would say (shared segments ask only if not)
+        self._parsed = (self._copy_version, wall, peers)
+        return peers
+
+    async def follow(self, retry_s: float = 1.0, read_timeout_s: float = 2.0) -> None:
+        """Keep a copy of the hash: subscribe to its changes, seed the copy with one read,
+        then apply each change as it comes. Runs until cancelled. On any failure the copy
+        is dropped, so routing reads per request (the fallback) until it is rebuilt."""
+        failures = 0
+        while True:
+            pubsub = self._redis.pubsub()
+            try:
+                await within(pubsub.subscribe(self.channel), read_timeout_s)
+                # Subscribed first: a change made while the seed is read arrives after it
+                # (a field written twice is set twice to the same value).
+                raw = await within(self._redis.hgetall(self.key), read_timeout_s)
+                self._copy = dict(cast(Mapping[bytes, bytes], raw))
+                self._copy_version += 1
+                self._heard_at = time.monotonic()
+                failures = 0
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True,
+                                                       timeout=retry_s)
+                    if message is not None:
+                        self._apply(message["data"])
+                    elif not self._feed_alive():
+                        raise TimeoutError(f"no change in {self._feed_timeout_s:g} s, "
+                                           "not even this gateway's own heartbeat")
+            except (RedisError, OSError, TimeoutError, msgspec.DecodeError) as exc:
+                failures += 1
+                # Once per outage, not once per retry (Redis away, or SUBSCRIBE denied).
+                log.log(logging.WARNING if failures == 1 else logging.DEBUG,
+                        "shared work: not following changes (%s); reading per request "
+                        "until they are followed again", exc)
+            finally:
+                self._copy = None
+                self._parsed = None
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()
+            await asyncio.sleep(retry_s)
+
+    @property
+    def _feed_timeout_s(self) -> float:
+        return 3 * self.heartbeat_s
+
+    def _feed_alive(self) -> bool:
+        """Whether the feed spoke lately. This gateway's heartbeat republishes its own
+        fields every heartbeat_s and the feed carries them back, so a silent feed is a
+        broken one (a half-open connection raises nothing), not an idle fleet."""
+        return time.monotonic() - self._heard_at <= self._feed_timeout_s
+
+    def _apply(self, data: bytes) -> None:
+        assert self._copy is not None
+        self._heard_at = time.monotonic()
+        for name, value in _CHANGES_DECODER.decode(data).items():
+            if value is None:
+                self._copy.pop(name, None)
+            else:
+                self._copy[name] = value
+        self._copy_version += 1
+
     async def heartbeat(self, views: Callable[[], Mapping[str, WorkView]]) -> None:
         """Rewrite every replica's field each heartbeat_s (so live ones never look
         stale) and drop long-dead gateways' fields. Runs until cancelled."""
@@ -220,7 +329,10 @@ class SharedWork:
         fields = [self._field(rid) for rid in self._published | set(self._dirty)]
         if fields:
             try:
-                await within(self._redis.hdel(self.key, *fields), self._write_timeout_s)
+                pipe = self._redis.pipeline(transaction=False)
+                pipe.hdel(self.key, *fields)
+                pipe.publish(self.channel, _CHANGES.encode(dict.fromkeys(fields)))
+                await within(pipe.execute(), self._write_timeout_s)
             except (RedisError, OSError, TimeoutError) as exc:
                 log.warning("could not withdraw shared work (it goes stale in %.0f s): %s",
                             self.stale_s, exc)

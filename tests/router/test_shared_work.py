@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import signal
@@ -11,10 +12,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 from redis.asyncio import Redis
 
 from replica.fleet import free_port
+from replica.processes import wait_until_async
 from router.app import build_app, running_gateway
 from router.config import LimitsConfig, TenantsConfig, build_config
 from router.hashing import HashConfig
@@ -275,3 +278,124 @@ async def test_a_burst_shares_one_read_and_a_gateway_alone_never_waits_for_its_r
             assert await route_seconds(1) >= 0.5
     finally:
         await client.aclose()
+
+
+
+async def _following(shared: SharedWork, check: Any, what: str) -> None:
+    async def ok() -> bool:
+        peers = shared.followed()
+        return peers is not None and bool(check(peers))
+    await wait_until_async(ok, 5.0, what, interval=0.01)
+
+
+async def test_a_follower_sees_each_change_without_a_read_and_drains_by_the_clock(
+        redis_server: Any) -> None:
+    client = Redis.from_url(redis_server.url)
+    clock = [1000.0]
+    # No heartbeat runs here: a long one keeps the silent feed from counting as broken.
+    follower = SharedWork(client, gateway_id="a", clock=lambda: clock[0], heartbeat_s=30.0)
+    others = [SharedWork(client, gateway_id=g, clock=lambda: clock[0]) for g in ("b", "c")]
+    # Written before the follower starts: it must come from the seed read.
+    others[0].publish("r0", WorkView(wait_s=5.0, pending=1))
+    await others[0].flushed()
+    assert follower.followed() is None  # not following yet: routing would read
+    job = asyncio.create_task(follower.follow(retry_s=0.05))
+    try:
+        await _following(follower, lambda p: "r0" in p, "the seed read")
+        # Written after: it comes from the change feed.
+        others[1].publish("r0", WorkView(wait_s=0.2, pending=1))
+        others[1].publish("r1", WorkView(decoding=2))
+        await others[1].flushed()
+        await _following(follower, lambda p: "r1" in p, "c's change")
+        peers = follower.followed()
+        assert peers is not None
+        assert peers["r0"] == PeerWork(wait_s=pytest.approx(5.2), pending=2, busy=2)
+        assert peers["r1"] == PeerWork(decoding=2)
+        assert not follower.alone
+        clock[0] += 0.1  # both queues on r0 a tenth of a second shorter, with no change
+        peers = follower.followed()
+        assert peers is not None and peers["r0"].wait_s == pytest.approx(5.0)
+        # A gateway that stops takes its work away from the followers at once.
+        await others[1].close()
+        await _following(follower, lambda p: "r1" not in p and p["r0"].pending == 1,
+                         "c's withdrawal")
+    finally:
+        job.cancel()
+        await asyncio.gather(job, return_exceptions=True)
+        await client.aclose()
+
+
+async def test_routing_waits_for_no_read_while_following_and_reads_when_the_feed_breaks(
+        redis_server: Any) -> None:
+    client = Redis.from_url(redis_server.url)
+    admin = Redis.from_url(redis_server.url)
+    shared = SharedWork(client, gateway_id="a", heartbeat_s=30.0)
+    other = SharedWork(client, gateway_id="b")
+    other.publish("r0", WorkView(wait_s=5.0, pending=1))
+    await other.flushed()
+    gateway = _pipeline(shared)  # its lookup deadline: 1 s
+    fleet = _replicas(2)
+
+    async def route_seconds(i: int) -> tuple[float, str]:
+        started = time.perf_counter()
+        route = await gateway.route(_body([300 + i] * 2048), fleet, time.monotonic(),
+                                    tenant="t", cache_salt=None)
+        return time.perf_counter() - started, route.decision.replica_id
+
+    job = asyncio.create_task(shared.follow(retry_s=0.05))
+    try:
+        await _following(shared, lambda p: "r0" in p, "the seed read")
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            # Redis answers nothing, yet the request neither waits nor routes blind:
+            # r0 carries b's 5 s of queued prefill.
+            seconds, replica = await route_seconds(0)
+            assert seconds < 0.5 and replica == "r1"
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        # The feed's connection killed: the copy is dropped (routing reads per request
+        # again, and still sees b's work) until the follower has subscribed and re-read.
+        await admin.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+        await wait_until_async(_async(lambda: shared.followed() is None), 5.0,
+                               "the follower to notice", interval=0.01)
+        assert (await route_seconds(1))[1] == "r1"
+        await _following(shared, lambda p: "r0" in p, "the follower to come back")
+    finally:
+        job.cancel()
+        await asyncio.gather(job, return_exceptions=True)
+        await client.aclose()
+        await admin.aclose()
+
+
+async def test_a_silent_feed_is_a_broken_one_while_the_own_heartbeat_keeps_it_alive(
+        redis_server: Any) -> None:
+    # A half-open connection raises nothing: the follower knows the feed must carry its
+    # own heartbeat back every heartbeat_s, and drops the copy after three missed.
+    client = Redis.from_url(redis_server.url)
+    shared = SharedWork(client, gateway_id="a", heartbeat_s=0.1)
+    job = asyncio.create_task(shared.follow(retry_s=0.05))
+    beat: asyncio.Task[None] | None = None
+    try:
+        await _following(shared, lambda p: True, "the seed read")
+        await wait_until_async(_async(lambda: shared.followed() is None), 5.0,
+                               "a silent feed to count as broken", interval=0.01)
+        beat = asyncio.create_task(shared.heartbeat(lambda: {"r0": WorkView(pending=1)}))
+        await _following(shared, lambda p: True, "the feed to be followed again")
+        # Past several of its timeouts (0.3 s) it is still followed: its own beats.
+        heard = shared._copy_version
+        await wait_until_async(_async(lambda: shared._copy_version >= heard + 8), 5.0,
+                               "eight heartbeats back through the feed", interval=0.01)
+        assert shared.followed() == {}  # its own fields are not others' work...
+        assert shared.alone  # ...so it is alone, and asks no shared segments
+    finally:
+        for task in (job, beat):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()
+
+
+def _async(check: Any) -> Any:
+    async def predicate() -> bool:
+        return bool(check())
+    return predicate
