@@ -217,13 +217,18 @@ class SharedWork:
         raw = await within(self._redis.hgetall(self.key), timeout_s)
         # The index's client does not decode responses: fields and values are bytes.
         wall = self._clock()
-        peers, dead = parse(cast(Mapping[bytes, bytes], raw), self.gateway_id, wall,
-                            self.stale_s, self.forget_s)
-        if dead:
-            self._dead = dead  # deleted by the next heartbeat
-        # parse() reports every live gateway's replicas, idle ones too: empty means alone.
-        self.alone = not peers
+        peers = self._take(cast(Mapping[bytes, bytes], raw), wall)
         self._alone_until = wall + self.heartbeat_s if self.alone else float("-inf")
+        return peers
+
+    def _take(self, raw: Mapping[bytes, bytes], wall: float) -> dict[str, PeerWork]:
+        """parse() the hash (read, or the followed copy) and note what it says: the
+        long-dead fields, deleted by the next heartbeat, and whether this gateway is
+        alone (parse() reports every live gateway's replicas, idle ones too)."""
+        peers, dead = parse(raw, self.gateway_id, wall, self.stale_s, self.forget_s)
+        if dead:
+            self._dead = dead
+        self.alone = not peers
         return peers
 
     def followed(self) -> dict[str, PeerWork] | None:
@@ -237,12 +242,9 @@ class SharedWork:
         if self._parsed is not None and self._parsed[0] == self._copy_version:
             _, at, peers = self._parsed
             return {rid: work.drained(wall - at) for rid, work in peers.items()}
-        peers, dead = parse(self._copy, self.gateway_id, wall, self.stale_s, self.forget_s)
-        for name in dead:
+        peers = self._take(self._copy, wall)
+        for name in self._dead:
             self._copy.pop(name, None)
-        if dead:
-            self._dead = dead  # deleted from the hash by the next heartbeat
-        self.alone = not peers  # as a read would say (shared segments ask only if not)
         self._parsed = (self._copy_version, wall, peers)
         return peers
 
