@@ -224,6 +224,11 @@ class SequenceTracker:
         if not complete:
             if self.has_replay:
                 self._stats.replay_failures += 1
+            # Loud: from here until its blocks are stored again, lookups miss whatever
+            # the replica held before, as a cold replica's would.
+            log.warning("replica %s: batches %d..%d not recovered (%s): clearing its entries",
+                        self.replica_id, start, r.upto - 1,
+                        "replay unavailable or rolled over" if self.has_replay else "no replay")
             # The replica's state before `upto` is unknown: forget it, follow new events.
             steps.append(Clear())
         else:

@@ -179,6 +179,8 @@ class ProcessGroup:
 
     procs: list[tuple[subprocess.Popen[bytes], Path]] = field(default_factory=list)
     tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cacheroute-e2e-")))
+    # INFO where a failing test prints the logs (stream clears, replays, handshakes).
+    log_level: str = "WARNING"
 
     def write_config(self, raw: dict[str, Any], name: str) -> Path:
         path = self.tmp / f"{name}.yaml"
@@ -219,7 +221,7 @@ class ProcessGroup:
     def _spawn_gateway(self, raw: dict[str, Any], name: str
                        ) -> tuple[subprocess.Popen[bytes], str]:
         path = self.write_config(raw, name)
-        proc = self.spawn(["serve", "--config", str(path), "--log-level", "WARNING"], name)
+        proc = self.spawn(["serve", "--config", str(path), "--log-level", self.log_level], name)
         return proc, f"http://127.0.0.1:{raw['listen']['port']}"
 
     def log(self, proc: subprocess.Popen[bytes]) -> str:
@@ -227,6 +229,11 @@ class ProcessGroup:
             if p is proc:
                 return path.read_text(errors="replace")[-4000:]
         return ""
+
+    def logs(self) -> str:
+        """The tail of every process's log, by name: for a failing assertion's message."""
+        return "\n".join(f"--- {path.stem}:\n{path.read_text(errors='replace')[-3000:]}"
+                         for _, path in self.procs)
 
     def stop(self) -> None:
         for proc, _ in self.procs:

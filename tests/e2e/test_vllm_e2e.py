@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -88,7 +89,7 @@ class System:
 def system(servers: dict[str, VllmServer], tiny_model_dir: Path) -> Iterator[System]:
     redis = RedisServer(port=free_port())
     redis.start()
-    group = ProcessGroup()
+    group = ProcessGroup(log_level="INFO")
     try:
         raw = gateway_config(servers, tiny_model_dir, redis.url, free_port())
         config = group.write_config(raw, "indexer")
@@ -243,12 +244,18 @@ class Client:
                       output_tokens=list(choice["token_ids"]), body=data)
         self.log.append(ex)
         assert ex.gateway_tokens == ex.prompt_tokens, "gateway tokenized unlike vLLM"
+        # The gateway's and indexer's logs say why, if a prediction misses (a cleared
+        # mirror, a replay that timed out): they go with the test's temporary directory.
+        if ex.predicted != ex.cached:
+            print(self.system.processes.logs(), file=sys.stderr)
         assert ex.predicted == ex.cached, (ex.replica, ex.predicted, ex.cached)
         await self.settle(ex)
         return ex
 
     async def settle(self, ex: Exchange) -> None:
-        """Wait until the indexer has put what `ex` cached into Redis."""
+        """Wait until the indexer has put what `ex` cached into Redis, and the gateway's
+        own event stream (its mirror of the index, router/index/mirror.py, which its
+        predictions read) has applied every batch the replica has published by then."""
         keys = ex.held_keys()
 
         async def held() -> bool:
@@ -256,6 +263,16 @@ class Client:
             return found.get(ex.replica, 0) >= len(keys)
 
         await wait_until(held, f"{ex.replica} to hold {len(keys)} blocks in the index")
+        # The batches with these blocks are published by now (Redis holds them).
+        newest = (await next_seqs(self.system))[ex.replica] - 1
+
+        async def mirrored() -> bool:
+            async with self.session.get(self.system.url + "/ready") as resp:
+                body = await resp.json(content_type=None)
+            applied = body.get("events", {}).get(ex.replica, {}).get("last_seq")
+            return applied is not None and applied >= newest
+
+        await wait_until(mirrored, f"the gateway's stream of {ex.replica} to apply seq {newest}")
 
     async def assert_events_match(self, since: dict[str, int]) -> None:
         """vLLM's stored block keys since `since` are exactly the gateway's, per replica."""
