@@ -474,7 +474,44 @@ def test_decoding_sequences_share_every_prefill_step() -> None:
     est = estimate_ttft(request(), r, 10.0, config)
     steps = 4  # ceil(2000 / 512)
     decode = 10 * config.prefill.per_token_s * steps
-    assert est.queue_s == pytest.approx(decode + config.load_cost_s * 10)
+    # And it first waits out the step in progress: half of one, on average.
+    step_wait = 0.5 * (config.prefill.base_s + 10 * config.prefill.per_token_s)
+    assert est.queue_s == pytest.approx(step_wait + decode + config.load_cost_s * 10)
+
+
+def test_a_request_waits_half_the_step_in_progress_on_a_busy_replica() -> None:
+    config = PolicyConfig()
+    base = config.prefill.base_s
+    idle = ReplicaState("idle", block_size=16)
+    assert estimate_ttft(request(40), idle, 0.0, config).queue_s == 0.0
+    # One of ours decoding there, or one of another client's: its step is under way.
+    for busy in (ReplicaState("b", block_size=16, decoding=1, inflight=1),
+                 ReplicaState("b", block_size=16, external_running=1, running=1)):
+        est = estimate_ttft(request(40), busy, 0.5, config)
+        assert est.queue_s == pytest.approx(
+            0.5 * (base + config.prefill.per_token_s) + config.prefill.per_token_s
+            + config.load_cost_s)
+    # Scaled by what the replica has shown of its speed, like everything it predicts.
+    slow = ReplicaState("b", block_size=16, decoding=1, inflight=1, bias=2.0)
+    assert estimate_ttft(request(40), slow, 0.5, config).queue_s == pytest.approx(
+        2.0 * (0.5 * (base + config.prefill.per_token_s) + config.prefill.per_token_s)
+        + config.load_cost_s)
+    # Prefill queued ahead ends on a step boundary: no half step on top of it.
+    queued = ReplicaState("b", block_size=16, pending=1, inflight=1, queued_prefill_s=0.3)
+    assert estimate_ttft(request(40), queued, 0.5, config).queue_s == pytest.approx(
+        0.3 + config.load_cost_s)
+
+
+def test_a_short_prompt_skips_a_small_hit_on_a_busy_replica_for_an_idle_one() -> None:
+    # Two of a 40-token prompt's blocks cached where a sequence is decoding save ~0.7 ms
+    # of prefill; waiting out that replica's step in progress costs ~6 ms.
+    states = [ReplicaState("busy", block_size=16, decoding=1, inflight=1, matched_blocks=2),
+              ReplicaState("idle", block_size=16)]
+    for order in (states, states[::-1]):
+        assert policy(load_cost_s=0.0, tolerance=0.0).decide(request(40), order).replica_id == "idle"
+    # Not so for a long prompt's large hit: the half step is worth less than the prefill.
+    hit = replace(states[0], matched_blocks=FULL)
+    assert policy(load_cost_s=0.0, tolerance=0.0).decide(request(), [hit, states[1]]).replica_id == "busy"
 
 
 def test_learned_bias_scales_prefill_and_the_others_queue() -> None:
