@@ -7,7 +7,10 @@
 Three requests, as issue #13 sets their targets: an 8k-token token-id prompt, cold (a
 fresh first block, so every block is new); a conversation growing 256 tokens a turn at
 8k (token ids); a chat's next turn at 8k (rendered with the tiny model's template and
-tokenized as the replica will). Replicas are simulated with the instant profile, so the
+tokenized as the replica will). A fourth, an agent's first turn as chat (instructions
+and 24 tool definitions every session shares, one new question each: the burst an agent
+fleet opens with). `--cold-sizes 64,8192` adds a short cold prompt, where what is left
+is the HTTP hops themselves. Replicas are simulated with the instant profile, so the
 replica costs next to nothing and what the routers add is what shows.
 
 1. Where the gateway's time goes, per request: the gateway's own functions, called in
@@ -161,6 +164,24 @@ def chat(size: int, tokenizer: PromptTokenizer) -> Scenario:
             messages += [question, {"role": "assistant", "content": f"{turn}: {WORDS}"}]
             turn += 1
     return Scenario(f"chat next turn at {size // 1024}k", "/v1/chat/completions", bodies)
+
+
+def agent_first_turn(tools: int, tool_words: int) -> Scenario:
+    """An agent's first turn as chat: instructions and `tools` tool definitions (each
+    `tool_words` words of description) shared by every session, one new question each:
+    the burst an agent fleet opens with (loadgen's agent workload sent as chat)."""
+    system = "You are an agent. Use the tools when they help. " * 48
+    tool_defs = [{"type": "function", "function": {
+        "name": f"tool_{k}", "description": f"Tool {k}. " + WORDS * (tool_words // 12),
+        "parameters": {"type": "object", "properties": {}}}} for k in range(tools)]
+
+    def bodies(rng: random.Random) -> Iterator[dict[str, Any]]:
+        while True:  # every request opens a session of its own
+            question = f"task {rng.randrange(10**9)}: " + WORDS * 5
+            yield {"model": MODEL, "max_tokens": 1, "tools": tool_defs,
+                   "messages": [{"role": "system", "content": system},
+                                {"role": "user", "content": question}]}
+    return Scenario(f"agent turn 1 ({tools} tools)", "/v1/chat/completions", bodies)
 
 
 # ------------------------------------------------------------- 1. where the time goes
@@ -561,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model_dir or tiny_model(tmp)
     tokenizer = PromptTokenizer.from_dir(model_dir, max_model_len=MAX_MODEL_LEN)
     scenarios = [*(cold(int(s)) for s in args.cold_sizes.split(",")), growing(args.size),
-                 chat(args.size, tokenizer)]
+                 chat(args.size, tokenizer), agent_first_turn(24, 180)]
     profiles = {s.name: asyncio.run(stage_profile(s, tokenizer, max(20, args.per_round)))
                 for s in scenarios}
     print_profile(profiles)
