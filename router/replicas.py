@@ -40,7 +40,13 @@ from router.discovery import (
 )
 from router.handshake import run_handshake
 from router.index import PrefixIndex
-from router.outstanding import FleetBias, OutstandingWork, fleet_bias, toward_fleet
+from router.outstanding import (
+    FleetBias,
+    OutstandingWork,
+    ReadingCount,
+    fleet_bias,
+    toward_fleet,
+)
 
 # Probe token ids stay below this so any vocabulary, however small, accepts them.
 _PROBE_VOCAB = 1000
@@ -236,6 +242,7 @@ class Fleet:
         self.health = health
         self._session = session
         self._clock = clock
+        self._readings = ReadingCount()
         self._rng = rng or random.Random()
         self._replicas: dict[str, Replica] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -309,12 +316,17 @@ class Fleet:
         for rid, target in wanted.items():
             if rid not in self._replicas:
                 replica = Replica(target=target)
+                # Every replica counts its readings in the fleet's total: a replica's
+                # learned bias ages by the readings it missed (router/outstanding.py).
+                replica.work.fleet_readings = self._readings
                 self._replicas[rid] = replica
+                self._readings.replicas = len(self._replicas)
                 log.info("replica %s added (from %s)", rid, target.source)
                 for cb in self.listeners.added:
                     cb(replica)
         for rid in [rid for rid in self._replicas if rid not in wanted]:
             replica = self._replicas.pop(rid)
+            self._readings.replicas = max(1, len(self._replicas))
             replica.removed = True
             log.info("replica %s removed (no longer resolved)", rid)
             for cb in self.listeners.removed:

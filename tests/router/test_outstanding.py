@@ -12,6 +12,7 @@ from router.outstanding import (
     PRIOR_LOG_VAR,
     FleetBias,
     OutstandingWork,
+    ReadingCount,
     fleet_bias,
     toward_fleet,
 )
@@ -122,9 +123,9 @@ def test_mean_prefill_follows_recent_requests() -> None:
     assert work.view(0.0).mean_prefill_s == pytest.approx(1.0 - BIAS_ALPHA)
 
 
-def _learned(ratios: list[float]) -> OutstandingWork:
+def _learned(ratios: list[float], work: OutstandingWork | None = None) -> OutstandingWork:
     """A replica whose streamed requests took `ratios` times their prediction."""
-    work = OutstandingWork()
+    work = work if work is not None else OutstandingWork()
     for i, ratio in enumerate(ratios):
         token = work.begin(float(i), 0.1, 0.1, stream=True)
         work.first_byte(token, i + 0.1 * ratio)
@@ -185,6 +186,46 @@ def test_the_fleets_first_readings_count_for_little_against_each_other() -> None
     fleet = fleet_bias(views)
     assert fleet.log_var == PRIOR_LOG_VAR
     assert toward_fleet(views[-1], fleet).bias < 1.25
+
+
+def test_an_unlucky_start_ages_while_the_fleet_gets_the_readings() -> None:
+    # The trap seen on 8 identical sims (2026-12-05): one sim's first two readings came
+    # out 2-3x its peers', it looked dearer for everything and got no request for 27 s.
+    # Its deviation ages by the readings it missed at a fair share of the fleet's.
+    readings = ReadingCount(replicas=8)
+    peers = [OutstandingWork(fleet_readings=readings) for _ in range(7)]
+    for work in peers:
+        _learned([0.5, 0.6] * 10, work)
+    unlucky = _learned([1.45, 0.73], OutstandingWork(fleet_readings=readings))
+
+    def drawn() -> float:
+        views = [w.view(100.0) for w in [*peers, unlucky]]
+        return toward_fleet(views[-1], fleet_bias(views)).bias / fleet_bias(views).bias
+
+    assert unlucky.view(100.0).fleet_readings_since == 0
+    assert drawn() > 1.4  # fresh evidence, far outside the fleet's spread: kept
+    for work in peers:
+        _learned([0.5, 0.6] * 10, work)  # 20 more each: 17.5 missed at a fair share
+    assert unlucky.view(100.0).fleet_readings_since == 140
+    assert unlucky.view(100.0).missed_readings == 17.5
+    assert drawn() < 1.1
+    # One new reading of its own, as slow: the deviation is back, fresh.
+    _learned([1.45], unlucky)
+    assert unlucky.view(100.0).fleet_readings_since == 0
+    assert drawn() > 1.4
+
+
+def test_a_replica_really_slower_keeps_it_while_it_gets_its_share() -> None:
+    readings = ReadingCount(replicas=4)
+    steady = [OutstandingWork(fleet_readings=readings) for _ in range(3)]
+    slow = OutstandingWork(fleet_readings=readings)
+    for _ in range(20):  # readings interleaved across the fleet, as a router spreads them
+        for work in steady:
+            _learned([1.0, 1.1, 0.9], work)
+        _learned([3.0, 3.3, 2.7], slow)
+    views = [w.view(100.0) for w in [*steady, slow]]
+    assert views[-1].fleet_readings_since == 0
+    assert toward_fleet(views[-1], fleet_bias(views)).bias > 2.8
 
 
 def test_the_drawn_bias_rescales_the_queue_too() -> None:

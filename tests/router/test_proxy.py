@@ -789,3 +789,21 @@ def test_fingerprint_is_the_last_block_key_and_length_scoped_by_salt() -> None:
     assert request_fingerprint(keys, 51, body, None) != same
     assert request_fingerprint(keys, 50, body, "tenant-b") != same
     assert request_fingerprint({}, 0, body, None) != request_fingerprint({}, 0, body + b" ", None)
+
+
+async def test_a_fleets_replicas_count_their_readings_together() -> None:
+    # A replica's learned bias ages by the readings it missed at a fair share of its
+    # fleet's (router/outstanding.py): the fleet's replicas share one count.
+    async with aiohttp.ClientSession() as session:
+        sources = [ReplicaSource(name=n, url=f"http://127.0.0.1:{free_port()}", models=("m",),
+                                 hash_config=HashConfig()) for n in ("a", "b", "c", "d")]
+        fleet = Fleet(sources, HealthConfig(), session)
+        await fleet.refresh_discovery()
+        a, b = fleet.get("a"), fleet.get("b")
+        assert a is not None and b is not None
+        for i in range(6):  # six streamed answers from "a", none from "b"
+            token = a.work.begin(float(i), 0.1, 0.1, stream=True)
+            a.work.first_byte(token, i + 0.05)
+        assert a.work.view(10.0).missed_readings == 0.0
+        assert b.work.view(10.0).fleet_readings_since == 6
+        assert b.work.view(10.0).missed_readings == pytest.approx(6 / 4)
