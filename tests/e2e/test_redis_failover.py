@@ -11,6 +11,7 @@ buffers (the indexer resyncs after an index failure) and predicts hits again.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Iterator
 
@@ -76,7 +77,7 @@ async def test_sentinel_failover_under_load_loses_no_request(
         # holder steps down when it cannot renew, and leads again on the new primary.
         lease = ["--lease", "--lease-ttl", "1"] if leased else []
         processes.spawn(["indexer", "--config", str(processes.write_config(raw, "indexer")),
-                         "--stats-interval", "60", *lease], "indexer")
+                         "--stats-interval", "5", *lease], "indexer")
         gw = GatewayClient(await processes.start_gateway(raw, "gateway"), http)
         index = RedisIndex.from_url(url, password=PASSWORD)
         salt = tenant_salt("alpha")
@@ -91,7 +92,14 @@ async def test_sentinel_failover_under_load_loses_no_request(
             reply = await gw.post("/v1/completions", completion(history))
             assert reply.status == 200, reply.body
             held = chain_keys([*history, *output_ids(reply)][:-1], salt)
-            await wait_until(lambda: indexed(reply.replica, held), 15.0, "the turn indexed")
+            try:
+                await wait_until(lambda: indexed(reply.replica, held), 15.0, "the turn indexed")
+            except TimeoutError:
+                # Which stream stayed silent, and why: the indexer's per-replica stats and
+                # its lease, in logs that go with the test's temporary directory.
+                print(f"turn on {reply.replica} not indexed:\n{processes.logs()}",
+                      file=sys.stderr)
+                raise
             return ([*history, *output_ids(reply), *tokens(len(history), 24)],
                     reply.predicted == reply.cached)
 
