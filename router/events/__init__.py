@@ -5,7 +5,8 @@ index: tested by feeding them batches):
 
 - sequence.py  `SequenceTracker`: the stream's order. Fed (seq, payload), it returns
                a plan: clear the replica, apply batches, or first fetch a replay
-               (gaps, duplicates, restarts, reconnects, first contact).
+               (gaps, duplicates, restarts, reconnects, first contact, and the
+               catch-up when a subscription starts).
 - planning.py  `BatchPlanner`: what one batch means for the index (`IndexOp`s), with
                LoRA scopes, rekeying for replicas keyed unlike the gateway, and
                hash-handshake probes kept apart for router/handshake.py.

@@ -23,6 +23,11 @@ index is only as right as this bookkeeping:
 - First contact (and after `lost_sync`: the index failed, or the gateway marked the
   replica stale): whatever the index holds for this replica may be stale, so clear it
   and replay from 0 to rebuild from the replica's buffer.
+- Catching up (`catch_up`, when a subscription starts): PUB/SUB delivers nothing that
+  was published before the subscriber listened, so a replica that went quiet before an
+  indexer started, or while the lease passed between indexers, would stay missing from
+  the index until its next batch showed the gap. The stream asks the replay socket at
+  once: from 0 at first contact (after clearing), from the resumed position otherwise.
 - Any replay applies its batches from the last one that clears the replica's blocks
   (AllBlocksCleared) on: what came before is wiped by it, and lookups would see it
   while the replay runs.
@@ -86,8 +91,9 @@ class _Recovery:
     """A gap being filled: batches after `last` up to `upto` from the replay, then `incoming`."""
 
     last: int  # the last seq applied before the gap (-1: none since the last clear)
-    upto: int
-    incoming: Apply
+    # None while catching up: the replay's newest batch takes the incoming's place.
+    upto: int | None
+    incoming: Apply | None
     restarted: bool = False  # the replay showed a restart: rebuild from seq 0
 
 
@@ -157,7 +163,29 @@ class SequenceTracker:
             if r.last > 0:
                 # What we have starts at our old position: the new run needs all from 0.
                 return Plan(tuple(steps), replay_from=0)
+        if r.upto is None:
+            # Catching up: the newest batch the replay holds is the one to follow. None
+            # newer than our position (or a failed replay): stay, and let the stream
+            # show any gap as usual.
+            newest = max(batches, default=-1)
+            if newest < (0 if r.restarted else r.last + 1):
+                self._recovery = None
+                return Plan(tuple(steps))
+            r.upto, r.incoming = newest, Apply(newest, self.decode(batches[newest]))
         return self._finish_recovery(steps, batches)
+
+    def catch_up(self) -> Plan:
+        """The plan when the subscription starts: replay what the replica kept since our
+        position (from 0, after clearing, at first contact). Nothing without replay."""
+        assert self._recovery is None, "catch_up() while a replay is pending"
+        if not self.has_replay:
+            return Plan()
+        steps: list[Step] = []
+        if self._last is None:
+            self._last = -1
+            steps.append(Clear())
+        self._recovery = _Recovery(self._last, None, None)
+        return Plan(tuple(steps), replay_from=max(self._last, 0))
 
     def applied(self, seq: int, batch: EventBatch | None) -> None:
         """Report that an `Apply` step's writes are in the index."""
@@ -215,7 +243,7 @@ class SequenceTracker:
 
     def _finish_recovery(self, steps: list[Step], batches: Mapping[int, bytes]) -> Plan:
         r = self._recovery
-        assert r is not None
+        assert r is not None and r.upto is not None and r.incoming is not None
         self._recovery = None
         start = 0 if r.restarted else r.last + 1
         # Without our last batch in the replay, continuity is not established.

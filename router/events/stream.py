@@ -17,14 +17,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from router.events.planning import DEFAULT_MEDIA, BatchPlanner, RekeyMode
-from router.events.sequence import Clear, SequenceTracker
+from router.events.sequence import Clear, Plan, SequenceTracker
 from router.events.stats import StreamStats
 from router.hashing import HashConfig
 from router.index import IndexUnavailable, PrefixIndex, StreamPosition
@@ -96,6 +96,8 @@ class ReplicaEventStream:
         # Set once the stream knows where it starts (a stored position, or over): a
         # gateway seeding its mirror waits for it before serving (router/app.py).
         self.resumed = asyncio.Event()
+        # Set once the replay of what was published before the SUB listened is applied.
+        self.caught_up = asyncio.Event()
 
     def start(self) -> None:
         """Connect the SUB socket and start applying events."""
@@ -169,26 +171,37 @@ class ReplicaEventStream:
                 await self._resume()
             finally:
                 self.resumed.set()
+            # Whatever the replica published before this SUB listened is not delivered:
+            # fetch it now rather than at its next batch, which a quiet replica may not
+            # send for a long time (an indexer that started, or took the lease, late).
+            try:
+                await self._guarded(self._perform(self._tracker.catch_up()))
+            finally:
+                self.caught_up.set()
         # No deadline on recv: an idle replica legitimately sends nothing. Liveness is
         # judged by the gateway's health checks and stats.last_received_at.
         while not self._stopping:
             frames = await self._sub.recv_multipart()
             async with self._lock:
-                try:
-                    await self._on_message(frames)
-                except IndexUnavailable as exc:
-                    # Some of the batch may be missing from the index: resync from the
-                    # replay buffer on the next message, when the index may be back.
-                    self.stats.index_errors += 1
-                    self._tracker.lost_sync()
-                    log.warning("replica %s: index unavailable, will resync: %s",
-                                self.replica_id, exc)
-                except Exception:
-                    # One bad message must not end the subscription; the index may now
-                    # disagree with the replica, so resync as after an index failure.
-                    self._tracker.lost_sync()
-                    log.exception("replica %s: failed to apply a KV-event message, will "
-                                  "resync", self.replica_id)
+                await self._guarded(self._on_message(frames))
+
+    async def _guarded(self, work: Coroutine[object, object, None]) -> None:
+        """Perform a message's (or the catch-up's) plan; on failure, resync next time."""
+        try:
+            await work
+        except IndexUnavailable as exc:
+            # Some of the batch may be missing from the index: resync from the replay
+            # buffer on the next message, when the index may be back.
+            self.stats.index_errors += 1
+            self._tracker.lost_sync()
+            log.warning("replica %s: index unavailable, will resync: %s",
+                        self.replica_id, exc)
+        except Exception:
+            # One bad message must not end the subscription; the index may now disagree
+            # with the replica, so resync as after an index failure.
+            self._tracker.lost_sync()
+            log.exception("replica %s: failed to apply a KV-event message, will resync",
+                          self.replica_id)
 
     async def _watch_connection(self) -> None:
         assert self._monitor is not None
@@ -208,7 +221,10 @@ class ReplicaEventStream:
             self.stats.decode_errors += 1
             return
         self.stats.last_received_at = self._clock()
-        plan = self._tracker.receive(seq, frames[2])
+        await self._perform(self._tracker.receive(seq, frames[2]))
+
+    async def _perform(self, plan: Plan) -> None:
+        """Perform a tracker's plan, and the plans its replays lead to."""
         while True:
             for step in plan.steps:
                 if isinstance(step, Clear):

@@ -275,3 +275,71 @@ def test_a_batch_is_published_as_applied_only_when_reported() -> None:
     assert isinstance(step, Apply) and step.batch is not None
     tracker.applied(step.seq, step.batch)
     assert (stats.last_seq, stats.last_event_ts) == (0, step.batch.ts)
+
+
+def caught_up(tracker: SequenceTracker) -> list[object]:
+    plan = tracker.catch_up()
+    for step in plan.steps:
+        if isinstance(step, Apply):
+            tracker.applied(step.seq, step.batch)
+    return described(plan)
+
+
+def test_a_new_subscription_replays_what_was_published_before_it_listened() -> None:
+    replica, (tracker, stats) = Replica(), tracking()
+    for _ in range(3):
+        replica.publish()  # before the SUB listened: PUB delivered none of them
+    assert caught_up(tracker) == ["clear", "replay from 0"]
+    assert replayed(tracker, replica.replay(0)) == [0, 1, 2]
+    assert stats.last_seq == 2
+    assert receive(tracker, replica.publish()) == [3]  # live batches follow on
+    assert (stats.gaps, stats.replays, stats.replay_failures) == (0, 1, 0)
+
+
+def test_catching_up_with_a_quiet_replica_changes_nothing() -> None:
+    replica, (tracker, stats) = Replica(), tracking()
+    assert caught_up(tracker) == ["clear", "replay from 0"]
+    assert replayed(tracker, replica.replay(0)) == []
+    assert stats.last_seq is None
+    assert receive(tracker, replica.publish()) == [0]  # its first batch, in order
+    assert (stats.gaps, stats.replays, stats.replay_failures) == (0, 0, 0)
+
+
+def test_a_failed_catch_up_leaves_the_next_batch_to_show_the_gap() -> None:
+    replica, (tracker, stats) = Replica(), tracking()
+    replica.publish()
+    assert caught_up(tracker) == ["clear", "replay from 0"]
+    assert replayed(tracker, {}) == []  # the replay socket did not answer
+    assert receive(tracker, replica.publish()) == ["replay from 0"]
+    assert replayed(tracker, replica.replay(0)) == [0, 1]
+    assert (stats.gaps, stats.replays) == (1, 1)
+
+
+def test_a_resumed_subscription_catches_up_from_its_predecessors_position() -> None:
+    replica, (tracker, stats) = Replica(), tracking()
+    for _ in range(5):
+        replica.publish()
+    tracker.resume(2, replica.clock - 2)  # the predecessor applied 0..2, then the lease passed
+    assert caught_up(tracker) == ["replay from 2"]
+    assert replayed(tracker, replica.replay(2)) == [3, 4]  # no clear: 0..2 stay
+    assert (stats.last_seq, stats.restarts, stats.replays) == (4, 0, 1)
+
+
+def test_a_replica_that_restarted_while_the_lease_passed_is_rebuilt_when_caught_up() -> None:
+    replica, (tracker, stats) = Replica(), tracking()
+    for _ in range(4):
+        replica.publish()
+    tracker.resume(3, replica.clock)
+    replica.restart()
+    for _ in range(5):
+        replica.publish()  # the new run's seq 3 is another batch than the one applied
+    assert caught_up(tracker) == ["replay from 3"]
+    assert replayed(tracker, replica.replay(3)) == ["restart", "replay from 0"]
+    assert replayed(tracker, replica.replay(0)) == [0, 1, 2, 3, 4]
+    assert stats.restarts == 1
+
+
+def test_without_replay_there_is_nothing_to_catch_up() -> None:
+    replica, (tracker, _) = Replica(), tracking(replay=False)
+    assert caught_up(tracker) == []
+    assert receive(tracker, replica.publish()) == ["clear", 0]

@@ -179,6 +179,11 @@ async def subscribed(
     stream.start()
     try:
         await pub.wait_subscribed()
+        # The stream's first act: ask the replay socket for what it missed (nothing yet).
+        async with asyncio.timeout(DEADLINE_S):
+            await stream.caught_up.wait()
+        assert pub.replay_requests == ([0] if replay else [])
+        pub.replay_requests.clear()
         yield stream
     finally:
         await stream.stop()
@@ -222,6 +227,18 @@ async def test_a_gap_is_filled_from_the_replay_socket(
         assert publisher.replay_requests == [0]  # from the last batch seen, to check it
         assert (stream.stats.gaps, stream.stats.replays, stream.stats.replay_failures) == (1, 1, 0)
         assert stream.stats.restarts == 0
+
+
+async def test_what_a_quiet_replica_published_before_the_subscription_is_indexed_at_once(
+    publisher: KvPublisher, index: PrefixIndex, zctx: zmq.asyncio.Context
+) -> None:
+    # An indexer that starts (or takes the lease) after a replica's last batch: PUB/SUB
+    # delivers none of it, and the replica sends nothing more to show the gap.
+    await publisher.publish(stored([1, 2]))
+    await publisher.publish(stored([3], parent=2))
+    async with subscribed(publisher, index, zctx) as stream:
+        assert await index.lookup(MODEL, [1, 2, 3]) == {"r1": 3}
+        assert (stream.stats.last_seq, stream.stats.replays, stream.stats.gaps) == (1, 1, 0)
 
 
 async def test_a_silent_replay_socket_times_out_and_clears(
