@@ -96,9 +96,8 @@ class WorkView:
     # of each against the bias before it, and how many such errors there were.
     log_var: float = 0.0
     residuals: int = 0
-    # Streamed readings the replica's fleet got since this replica's last one, and the
-    # share of them it missed: over the replicas the fleet counts them for.
-    fleet_readings_since: int = 0
+    # The readings it missed: those its fleet got since this replica's last one, over
+    # the replicas the fleet counts them for (its fair share of them).
     missed_readings: float = 0.0
 
 
@@ -208,7 +207,6 @@ class OutstandingWork:
                         mean_prefill_s=self._mean_prefill_s, bias=bias, samples=self._samples,
                         log_var=_debiased(self._log_var, self._residuals),
                         residuals=self._residuals,
-                        fleet_readings_since=since,
                         missed_readings=since / max(1, self.fleet_readings.replicas))
 
     def __len__(self) -> int:

@@ -202,16 +202,15 @@ def test_an_unlucky_start_ages_while_the_fleet_gets_the_readings() -> None:
         views = [w.view(100.0) for w in [*peers, unlucky]]
         return toward_fleet(views[-1], fleet_bias(views)).bias / fleet_bias(views).bias
 
-    assert unlucky.view(100.0).fleet_readings_since == 0
+    assert unlucky.view(100.0).missed_readings == 0
     assert drawn() > 1.4  # fresh evidence, far outside the fleet's spread: kept
     for work in peers:
         _learned([0.5, 0.6] * 10, work)  # 20 more each: 17.5 missed at a fair share
-    assert unlucky.view(100.0).fleet_readings_since == 140
-    assert unlucky.view(100.0).missed_readings == 17.5
+    assert unlucky.view(100.0).missed_readings == 17.5  # 140 of the fleet's, over 8
     assert drawn() < 1.1
     # One new reading of its own, as slow: the deviation is back, fresh.
     _learned([1.45], unlucky)
-    assert unlucky.view(100.0).fleet_readings_since == 0
+    assert unlucky.view(100.0).missed_readings == 0
     assert drawn() > 1.4
 
 
@@ -224,7 +223,7 @@ def test_a_replica_really_slower_keeps_it_while_it_gets_its_share() -> None:
             _learned([1.0, 1.1, 0.9], work)
         _learned([3.0, 3.3, 2.7], slow)
     views = [w.view(100.0) for w in [*steady, slow]]
-    assert views[-1].fleet_readings_since == 0
+    assert views[-1].missed_readings == 0
     assert toward_fleet(views[-1], fleet_bias(views)).bias > 2.8
 
 
