@@ -37,6 +37,7 @@ from loadgen.workloads import PlannedRequest, TimedRequest, Workload, poisson_ar
 
 REPLICA_HEADER = "x-cacheroute-replica"
 PREDICTED_HEADER = "x-cacheroute-predicted-cached-tokens"
+CANDIDATES_HEADER = "x-cacheroute-candidates"
 
 
 @dataclass
@@ -64,6 +65,9 @@ class RequestRecord:
     # Where the gateway's time went (its Server-Timing header: parse, route, admit,
     # upstream; router/completions.py Stages), for a run's analysis.
     server_timing: str | None = None
+    # Every candidate the gateway ranked, with its predicted cached tokens, TTFT and score
+    # (x-cacheroute-candidates): why the request went where it went.
+    candidates: str | None = None
     answer_from_server: bool = False
     chunk_times_s: list[float] = field(default_factory=list)
     # Kept for the oracles; left out of results.json (large).
@@ -319,6 +323,7 @@ class Driver:
             if predicted is not None and predicted.isdigit():
                 rec.predicted_cached_tokens = int(predicted)
             rec.server_timing = resp.headers.get("Server-Timing")
+            rec.candidates = resp.headers.get(CANDIDATES_HEADER)
             if resp.status != 200:
                 text = (await resp.text())[:300]
                 rec.error = f"HTTP {resp.status}: {text}"

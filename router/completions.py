@@ -23,6 +23,7 @@ from router.gateway import (
     tenant_of,
 )
 from router.policy.pipeline import NoReplicasError
+from router.policy.types import RoutingDecision
 from router.proxy import UpstreamRequest, json_error, remote_tokenize
 from router.recording import holds_unannounced_blocks, record_blocks, record_outcome
 from router.replicas import Replica
@@ -49,6 +50,21 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
             raise ClientError(f"request body exceeds {limit} bytes", status=413)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def candidates_header(decision: RoutingDecision) -> str:
+    """Every candidate the decision ranked, best first, with what the policy saw there:
+    its predicted cached tokens, predicted time to first token (cache_aware) and score.
+    Why a request went where it went, for a run's analysis (expose_routing_headers)."""
+    parts = []
+    for rid in decision.ranked:
+        part = f"{rid};cached={decision.predicted_cached.get(rid, 0)}"
+        if rid in decision.costs:
+            part += f";ttft_ms={1000 * decision.costs[rid]:.1f}"
+        if rid in decision.scores:
+            part += f";score={decision.scores[rid]:.4f}"
+        parts.append(part)
+    return ", ".join(parts)
 
 
 @dataclass
@@ -235,6 +251,7 @@ async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: 
             if replica.replica_id in route.decision.costs:  # cache_aware's TTFT prediction
                 out["x-cacheroute-predicted-ttft-ms"] = (
                     f"{1000 * route.decision.costs[replica.replica_id]:.1f}")
+            out["x-cacheroute-candidates"] = candidates_header(route.decision)
             out["Server-Timing"] = stages.server_timing(time.perf_counter())
         return out
 

@@ -164,6 +164,15 @@ async def test_predicted_cached_tokens_equal_reported_with_kv_events(start_gatew
             assert reply.predicted == reply.cached, (len(prompt), reply.predicted, reply.cached)
             # cache_aware's TTFT prediction for the replica that served it, in ms.
             assert float(reply.headers["x-cacheroute-predicted-ttft-ms"]) > 0
+            # Every candidate, the one that served it first, with what the policy saw.
+            ranked = [dict(kv.split("=") for kv in part.split(";")[1:]) | {
+                "id": part.split(";")[0]}
+                for part in reply.headers["x-cacheroute-candidates"].split(", ")]
+            assert len({c["id"] for c in ranked}) == len(ranked) == len(fleet.replicas)
+            assert ranked[0]["id"] == reply.replica
+            assert int(ranked[0]["cached"]) == reply.predicted
+            assert ranked[0]["ttft_ms"] == reply.headers["x-cacheroute-predicted-ttft-ms"]
+            assert float(ranked[0]["score"]) >= max(float(c["score"]) for c in ranked)
             await settle(gw, reply, prompt)
         assert sum(r.cached for r in gw.replies) > 0
         _, text = await gw.get("/metrics")
