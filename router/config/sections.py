@@ -176,7 +176,8 @@ class ProxyConfig:
     route_in_arrival_order: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
     # Each answer says where it went and why (x-cacheroute-replica, -predicted-cached-
-    # tokens, -predicted-ttft-ms) and where the gateway's time went (Server-Timing: parse,
+    # tokens, -predicted-ttft-ms, and -candidates: every replica ranked, with what the
+    # policy predicted there) and where the gateway's time went (Server-Timing: parse,
     # route, admit, upstream; router/completions.py Stages). Off by default: they describe
     # the fleet to every client.
     expose_routing_headers: bool = False
