@@ -59,10 +59,8 @@ class GatewayProfile:
 def gateway_prefill(profile: SimCostProfile) -> dict[str, float]:
     """A sim cost profile as the gateway's `policy.prefill` config.
 
-    The gateway charges per_token_context_s x uncached x context; the sim charges
-    attention_s per (new, context) pair, new x (cached + (new + 1) / 2). Equal when most
-    of the prompt is cached (the case routing decides between); a cold prompt's attention
-    is over-estimated by up to 2x.
+    Both charge attention per (query, key) pair, new x (cached + (new + 1) / 2), so the
+    gateway predicts a lone request's prefill exactly as the sim runs it.
     """
     return {"base_s": profile.base_s, "per_token_s": profile.token_s,
             "per_token_context_s": profile.attention_s}

@@ -5,7 +5,8 @@ per replica); the output is a `RoutingDecision` whose `ranked` lists every eligi
 replica best first. cache_aware minimises the predicted time to first token:
 
     cached   = min(matched_blocks, (n - 1) // block_size) * block_size   (0 if unverified)
-    prefill  = bias * (base_s + per_token_s * (n - cached) + per_token_context_s * (n - cached) * n)
+    prefill  = bias * (base_s + per_token_s * (n - cached)
+                       + per_token_context_s * (n - cached) * (cached + (n - cached + 1) / 2))
     work     = prefill seconds queued ahead of it there (ours, router/outstanding.py)
              + others' waiting requests x the typical prefill there
     load     = max(inflight, running + waiting)

@@ -3,7 +3,7 @@
     cached    = min(matched_blocks * block_size, max cacheable)   (0 if unverified)
     uncached  = num_prompt_tokens - cached
     prefill   = bias * (base_s + per_token_s * uncached
-                        + per_token_context_s * uncached * num_prompt_tokens)
+                        + per_token_context_s * uncached * (cached + (uncached + 1) / 2))
     work      = queued_prefill_s                             # ours, ahead of it (outstanding.py)
               + max(peer_wait_s,                             # other gateways' (shared_work.py)
                     bias * external_waiting * typical_prefill - scrape_age_s)  # all others'

@@ -18,9 +18,18 @@ POLICY_NAMES = ("random", "round_robin", "least_loaded", "session_affinity", "ca
 class PrefillProfile:
     """Seconds to prefill `uncached` new tokens of a `context`-token prompt.
 
-    seconds = base_s + per_token_s * uncached + per_token_context_s * uncached * context.
-    The last term is attention: each new token attends to the whole context. Defaults are
-    the tiny model measured here (58 ms cold, 12 ms cached for a 2,000-token prompt).
+    seconds = base_s + per_token_s * uncached + per_token_context_s * pairs
+    pairs   = uncached * (cached + (uncached + 1) / 2),  cached = context - uncached
+
+    The last term is attention, per (query, key) pair: prefill attention is causal, so
+    new token j attends to the cached tokens and to the j new tokens up to itself, not to
+    the whole prompt. This is the sim's pair count (replica/profiles.py) and what
+    `replica calibrate` fits `attention_s` against; charging uncached * context instead
+    over-estimated a cold prompt's attention by up to 2x, and by the 8-sim Mooncake
+    synthetic window from 2,400 (2026-12-05) predicted the prompts over 15k tokens 1.27x
+    too slow and those of 5-15k 1.09x (medians), a wrong shape that the learned bias
+    (one factor a replica) cannot correct. Defaults are the tiny model measured here (58 ms cold,
+    12 ms cached for a 2,000-token prompt).
     """
 
     base_s: float = 0.012
@@ -29,11 +38,9 @@ class PrefillProfile:
 
     def seconds(self, uncached: int, context: int) -> float:
         """Predicted prefill time for `uncached` tokens of a `context`-token prompt."""
-        return (
-            self.base_s
-            + self.per_token_s * uncached
-            + self.per_token_context_s * uncached * context
-        )
+        cached = max(0, context - uncached)
+        pairs = uncached * (cached + (uncached + 1) / 2)
+        return self.base_s + self.per_token_s * uncached + self.per_token_context_s * pairs
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from loadgen.harness import HarnessError
 from loadgen.target_fleet import TargetFleet, TargetReplica
 from loadgen.workload_flags import build_workload
 from replica.profiles import load_profile
+from router.policy.types import PrefillProfile
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -118,8 +119,12 @@ def test_default_gateway_profile_leaves_the_gateways_own() -> None:
                         stop=lambda: None)
     cfg = gateway_config("cache_aware", fleet, 9000, "memory", Path("/m"), 0, None)
     assert "prefill" not in cfg["policy"]
-    exact = gateway_prefill(load_profile("h100-llama3.1-8b"))
-    assert exact["per_token_context_s"] == load_profile("h100-llama3.1-8b").attention_s
+    sim = load_profile("h100-llama3.1-8b")
+    exact = PrefillProfile(**gateway_prefill(sim))
+    # The gateway's prediction of a lone prefill is the sim's, cold or behind a cache hit.
+    for tokens, cached in ((16, 0), (2_000, 0), (30_000, 0), (8_000, 7_984), (20_000, 4_096)):
+        assert exact.seconds(tokens - cached, tokens) == pytest.approx(
+            sim.prefill_seconds(tokens, cached), rel=1e-9)
 
 
 def test_peers_are_named_and_smg_is_skipped_on_token_ids_with_a_reason() -> None:

@@ -95,10 +95,13 @@ def test_saturation_kv_and_hot_terms() -> None:
 
 def test_context_term_of_the_prefill_profile() -> None:
     profile = PrefillProfile(base_s=0.0, per_token_s=0.0, per_token_context_s=1e-6)
-    assert profile.seconds(100, 1000) == pytest.approx(0.1)
+    # Causal: 100 new tokens after 900 cached attend to 900 + 1..100 positions each.
+    assert profile.seconds(100, 1000) == pytest.approx(1e-6 * (100 * 900 + 100 * 101 / 2))
+    # A cold prompt's pairs are the triangle, about half the square.
+    assert profile.seconds(1000, 1000) == pytest.approx(1e-6 * 1000 * 1001 / 2)
     r = ReplicaState("a", block_size=16, matched_blocks=50, profile=profile)
     e = estimate_ttft(request(1000), r, 0.0, PolicyConfig())
-    assert e.prefill_s == pytest.approx(1e-6 * (1000 - 800) * 1000)
+    assert e.prefill_s == pytest.approx(1e-6 * (200 * 800 + 200 * 201 / 2))
 
 
 def test_unverified_replicas_count_no_cached_tokens() -> None:
