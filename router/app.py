@@ -35,7 +35,7 @@ from router.completions import handle_completion
 from router.config import GatewayConfig
 from router.endpoints import handle_by_model, handle_conversation, handle_version
 from router.event_watch import watch_event_silence
-from router.events import EventIndexer, ReplicaFeed
+from router.events import EventIndexer, ReplicaFeed, wait_caught_up
 from router.gateway import GATEWAY, INDEX_OP_TIMEOUT_S, REQUEST_ID, Gateway, ignore_errors
 from router.handlers import (
     handle_health,
@@ -272,9 +272,11 @@ def _set_mode(replica: Replica) -> None:
     replica.mode = "events" if replica.target.kv_events else "record"
 
 
-# How long start-up waits for the mirror's snapshots (router/index/mirror.py): each is a
-# few Redis round trips, tens of thousands of keys per replica at most.
-_MIRROR_SEED_TIMEOUT_S = 10.0
+# How long start-up waits for the index to catch up: a mirror's snapshots (router/index/
+# mirror.py, a few Redis round trips, tens of thousands of keys per replica at most), and
+# every stream's replay (a replica's buffered batches; a silent one times out in
+# DEFAULT_REPLAY_TIMEOUT_S).
+_SEED_TIMEOUT_S = 10.0
 
 
 async def _indexer_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -307,19 +309,20 @@ async def _indexer_ctx(app: web.Application) -> AsyncIterator[None]:
         return ReplicaFeed(replica_id=t.replica_id, endpoint=t.kv_events, model=model,
                            replay_endpoint=t.kv_replay, rekey=rekey, rekey_mode=mode)
 
-    started = []
     for replica in fleet.all():
         f = feed(replica)
         if f is not None:
-            started.append(await indexer.add_replica(f))
-    if started and isinstance(index, MirrorFeed):
-        # Serve once the mirror holds what Redis does (each stream's snapshot), not
-        # before: a request routed meanwhile would miss every prefix cached before this
-        # gateway started. Bounded: a slow Redis delays start-up, never blocks it.
-        waits = [asyncio.ensure_future(s.resumed.wait()) for s in started]
-        _, late = await asyncio.wait(waits, timeout=_MIRROR_SEED_TIMEOUT_S)
-        for wait in late:
-            wait.cancel()
+            await indexer.add_replica(f)
+    # Serve once the index holds what the replicas announced before this gateway
+    # started (a mirror: each stream's snapshot of Redis, then the replay past it; a
+    # memory index: the replay of each replica's buffer), not before: a request routed
+    # meanwhile would miss every prefix cached before, or follow one the replica has
+    # since cleared (the replay applies its history oldest first). Bounded: a slow Redis
+    # or a silent replica delays start-up, never blocks it.
+    late = await wait_caught_up(indexer.streams, _SEED_TIMEOUT_S)
+    if late:
+        log.warning("serving before the KV events of %s caught up (%.0f s)",
+                    ", ".join(late), _SEED_TIMEOUT_S)
 
     def on_added(replica: Replica) -> None:
         f = feed(replica)

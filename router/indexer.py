@@ -43,7 +43,7 @@ from router.discovery import (
     resolve_addresses,
     source_from_config,
 )
-from router.events import EventIndexer, RekeyMode, ReplicaFeed, StreamStats
+from router.events import EventIndexer, RekeyMode, ReplicaFeed, StreamStats, wait_caught_up
 from router.hashing import HashConfig
 from router.index import PrefixIndex
 from router.indexer_health import IndexerHealth
@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REKEY_SETTINGS = ("never", "always", "auto")
+# How long start-up waits before saying which replicas' replays have not been applied
+# (at least twice the replay timeout: a silent replica's catch-up ends by that).
+CATCH_UP_LOG_TIMEOUT_S = 10.0
 # The only parts of the gateway's config the indexer reads. Everything else (tenants
 # and their API keys, the salt secret, the tokenizers) is the gateway's: the indexer is
 # trusted with hash seeds and the Redis password only (docs/SECURITY.md), so it must
@@ -233,6 +236,15 @@ async def run_indexer(feeds: list[ReplicaFeed], dns: list[DnsReplicas], index: P
                  ", ".join(f"{f.replica_id}={f.endpoint}" for f in current))
         for feed in current:
             log.info("replica %s: %s", feed.replica_id, describe_mode(feed))
+        # Said once the index holds what the replicas published before this indexer
+        # subscribed: until then it shows their histories, oldest batches first (a load
+        # test starts its clients on this line; an operator reads why hits were low).
+        bound = max(CATCH_UP_LOG_TIMEOUT_S, 2 * replay_timeout_s)
+        late = await wait_caught_up(indexer.streams, bound)
+        if late:
+            log.warning("still catching up after %.0f s: %s", bound, ", ".join(late))
+        else:
+            log.info("caught up with %d replica(s)", len(indexer.streams))
         dns_task = asyncio.create_task(follower.run(), name="dns")
         while not stop.is_set():
             try:

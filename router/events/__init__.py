@@ -28,7 +28,7 @@ from router.events.stream import (
     ReplayUnavailable,
     ReplicaEventStream,
 )
-from router.events.subscriptions import EventIndexer, ReplicaFeed
+from router.events.subscriptions import EventIndexer, ReplicaFeed, wait_caught_up
 
 __all__ = [
     "DEFAULT_MEDIA",
@@ -43,4 +43,5 @@ __all__ = [
     "SequenceTracker",
     "StreamStats",
     "lead_while_holding",
+    "wait_caught_up",
 ]

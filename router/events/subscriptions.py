@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import zmq.asyncio
@@ -113,3 +114,23 @@ class EventIndexer:
         for replica_id in list(self._streams):
             await self.remove_replica(replica_id, clear=False)
         self._ctx.term()
+
+
+async def wait_caught_up(streams: Mapping[str, ReplicaEventStream], timeout_s: float,
+                         ) -> list[str]:
+    """Wait until every stream has applied the replay of what its replica published
+    before it subscribed (ReplicaEventStream.caught_up), at most `timeout_s`; returns the
+    replicas still catching up.
+
+    Until then the index passes through the replica's history batch by batch: a replay
+    from the start of a replica's buffer (up to vLLM's 10,000 batches) shows prefixes the
+    replica evicted or cleared long ago, the newest batches last. A request routed
+    meanwhile follows them to a replica that holds nothing.
+    """
+    waits = {rid: asyncio.ensure_future(s.caught_up.wait()) for rid, s in streams.items()}
+    if not waits:
+        return []
+    _, late = await asyncio.wait(waits.values(), timeout=timeout_s)
+    for wait in late:
+        wait.cancel()
+    return sorted(rid for rid, wait in waits.items() if wait in late)

@@ -198,6 +198,32 @@ async def bounded_entries(gw: GatewayClient, structure: str) -> float:
                 if line.startswith(prefix))
 
 
+async def test_a_gateway_serves_once_the_replicas_earlier_cache_is_in_its_index(
+        start_gateway: Any) -> None:
+    """What a replica announced before the gateway started is in the memory index when
+    the gateway serves (the replay of its KV events, applied during start-up), not a
+    moment later: the replay applies the replica's history oldest batch first, and a
+    request routed meanwhile would follow prefixes it has since evicted or cleared."""
+    history = 300  # batches to replay before the one that matters: not applied at once
+    prompt = tokens(99, 160)
+    async with AsyncSimFleet(2, block_size=16, num_blocks=8000) as fleet:
+        holder = fleet.replicas[1]
+        async with aiohttp.ClientSession() as http:
+            for i in range(history):
+                async with http.post(f"{holder.url}/v1/completions", json={
+                        "model": MODEL, "prompt": tokens(i, 48), "max_tokens": 1}) as resp:
+                    assert resp.status == 200, await resp.text()
+            async with http.post(f"{holder.url}/v1/completions", json={
+                    "model": MODEL, "prompt": prompt, "max_tokens": 1}) as resp:
+                assert resp.status == 200, await resp.text()
+        gw = await start_gateway(gateway_config(fleet.replicas, model=MODEL, port=free_port()))
+        assert gw.app_gateway is not None and gw.app_gateway.index is not None
+        keys = chain_keys(prompt, None)
+        assert len(keys) == 10
+        matches = await gw.app_gateway.index.lookup(MODEL, keys)
+        assert len(matches) == 1 and list(matches.values()) == [len(keys)], matches
+
+
 @pytest.mark.parametrize("refusal", ["over_context", "not_served"])
 async def test_a_request_not_served_leaves_no_pending_prefix(
         start_gateway: Any, tiny_model_dir: Path, refusal: str) -> None:

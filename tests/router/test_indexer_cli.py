@@ -108,6 +108,35 @@ async def test_indexer_flags_feed_redis_and_stop_on_sigterm(
         await index.close()
 
 
+async def test_indexer_says_caught_up_once_the_replicas_history_is_in_redis(
+    publisher: KvPublisher, redis_server: RedisServer
+) -> None:
+    """A load test starts its clients on the "caught up" line, an operator reads it: the
+    replica's history from before the indexer subscribed is in Redis by then, its last
+    batch included (the replay applies it oldest first, and takes a while)."""
+    for i in range(300):  # published before anyone listened: only the replay has them
+        await publisher.publish(stored([1000 + i]), send=False)
+    await publisher.publish(stored([1, 2]), send=False)
+    index = RedisIndex.from_url(redis_server.url)
+    proc = await start_indexer(
+        "--index", redis_server.url,
+        "--replica", f"r1={publisher.endpoint},replay={publisher.replay_endpoint},model={MODEL}")
+    try:
+        assert proc.stderr is not None
+        lines: list[str] = []
+        async with asyncio.timeout(30):
+            while not lines or "caught up with" not in lines[-1]:
+                line = (await proc.stderr.readline()).decode()
+                assert line, "the indexer exited:\n" + "".join(lines)
+                lines.append(line)
+        assert "caught up with 1 replica(s)" in lines[-1], lines
+        assert await index.lookup(MODEL, [1, 2], deadline_s=1.0) == {"r1": 2}
+        assert publisher.replay_requests == [0]
+    finally:
+        await stop_indexer(proc)
+        await index.close()
+
+
 async def test_indexer_reads_replicas_from_the_gateway_config(
     publisher: KvPublisher, redis_server: RedisServer, tmp_path: Path
 ) -> None:
