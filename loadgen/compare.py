@@ -1,8 +1,9 @@
 """`python -m loadgen compare`: run one seeded workload through each routing policy.
 
 For every policy the harness starts a fresh router over the same fleet, with every
-replica's prefix cache reset and the shared index emptied first, so each policy starts
-cold and sees the same request stream: our gateway (`python -m router serve`,
+replica's prefix cache reset (and the reset announced: target_fleet.py) and the shared
+index emptied first, and our indexer caught up with the replicas' event histories before
+the first request, so each policy starts cold and sees the same request stream: our gateway (`python -m router serve`,
 gateway_under_test.py) for our policies, and the peers (peers.py) for theirs:
 vllm-router, and SMG on chat traffic. `--repeats N` runs every policy once per round,
 N rounds interleaved, and the report (report.py, rounds.py) gives each figure's median

@@ -271,7 +271,11 @@ def gateways(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfil
                 cwd=repo)
             procs.append(indexer)
             indexer.start(log_dir)
-            indexer.wait_until(lambda: "indexing " in indexer.log_tail(20_000))
+            # Its replay of the replicas' histories applied: until then the index shows
+            # them oldest first (the previous runs' prefixes, before each reset's clear).
+            indexer.wait_until(lambda: any(
+                line in indexer.log_tail(20_000)
+                for line in ("caught up with ", "still catching up after ")))
         urls = []
         for gw_name, gw_path, port in configs:
             proc = LoggedProcess(f"gateway-{gw_name}",

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadgen.harness import MODEL_NAME, REPO, HarnessError, LoggedProcess, answers_ok
+from loadgen.workloads.base import TOKEN_LOW
 from replica.processes import free_port
 
 DEFAULT_MODEL_DIR = REPO / ".cache" / "tiny-model"
@@ -59,6 +60,12 @@ class TargetFleet:
                     raise HarnessError(f"{r.name}: POST /reset_prefix_cache kept failing (real "
                                        "vLLM needs VLLM_SERVER_DEV_MODE=1 for it)")
                 time.sleep(0.2)  # polling the replica until it is idle, against a deadline
+            # vLLM publishes AllBlocksCleared with its next engine step, not at the reset
+            # (the sims follow it): an idle replica's event history would end with the last
+            # run's blocks, and the next router's indexer, replaying that history when it
+            # subscribes, would route the first requests to prefixes nobody holds. One
+            # request under a block long makes the step and caches nothing.
+            _step_once(r.url, r.name)
 
     def request_counts(self) -> dict[str, int]:
         """Requests each replica has answered so far (its TTFT histogram's count)."""
@@ -87,6 +94,18 @@ def _reset_once(url: str) -> bool:
         return bool(json.loads(body).get("success", True)) if body.strip() else True
     except (ValueError, AttributeError):
         return True
+
+
+def _step_once(url: str, name: str) -> None:
+    body = json.dumps({"model": MODEL_NAME, "prompt": [TOKEN_LOW], "max_tokens": 1,
+                       "temperature": 0.0}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            resp.read()
+    except (urllib.error.URLError, OSError) as exc:
+        raise HarnessError(f"{name}: the request after the cache reset failed: {exc}") from exc
 
 
 def flush_index(url: str) -> None:
