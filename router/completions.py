@@ -227,6 +227,7 @@ async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: 
                          collect_token_ids=want_ids,
                          max_tokens=parsed.max_tokens,
                          predicted_work=route.decision.predicted_work,
+                         predicted_cached=route.decision.predicted_cached,
                          reserved=route.reserved)
     pipeline = gw.pipeline
     assert pipeline is not None

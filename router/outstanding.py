@@ -25,7 +25,10 @@ The model, per replica:
   requests (only those: a non-streamed response's first byte comes after its last
   token, not its first). It corrects a profile that is uniformly off (the gateway's
   default profile against a faster or slower GPU) without any per-fleet constant, since
-  queue and prefill are in the same unit and scale together.
+  queue and prefill are in the same unit and scale together. A reading is taken at the
+  first byte and learned when the request ends, once the replica's usage says how much
+  of the prompt it served from cache: where that is not what the prediction assumed,
+  the reading is dropped (it measured the index, not the replica).
 - What the policy weighs is that bias drawn toward its fleet's (`toward_fleet`): by how
   far it stands from the fleet's median beyond its own noise. A time to first token
   under load is a noisy reading of a replica's speed (the queue ahead is predicted, not
@@ -79,7 +82,9 @@ class _Entry:
     prefill_s: float  # predicted, unbiased
     predicted_ttft_s: float  # what the policy predicted at dispatch, before the learned bias
     stream: bool
+    predicted_cached: int | None = None  # the cached tokens that prediction assumed
     first_byte_at: float | None = None
+    reading: float | None = None  # log(measured / predicted), learned once confirmed
 
 
 @dataclass(frozen=True)
@@ -134,14 +139,18 @@ class OutstandingWork:
         if self.listener is not None:
             self.listener(now)
 
-    def begin(self, now: float, prefill_s: float, predicted_ttft_s: float, stream: bool) -> int:
-        """Count a request just sent; returns the token for `first_byte` and `end`."""
+    def begin(self, now: float, prefill_s: float, predicted_ttft_s: float, stream: bool,
+              predicted_cached: int | None = None) -> int:
+        """Count a request just sent; returns the token for `first_byte` and `end`.
+        `predicted_cached`: the prompt tokens `predicted_ttft_s` assumed the replica
+        holds (None: not known)."""
         if not self._pending(now):
             # The replica had nothing of ours queued: its work on this request starts now.
             self._anchor = now
         token = self._next
         self._next += 1
-        self._entries[token] = _Entry(now, max(prefill_s, 0.0), predicted_ttft_s, stream)
+        self._entries[token] = _Entry(now, max(prefill_s, 0.0), predicted_ttft_s, stream,
+                                      predicted_cached)
         if self._mean_prefill_s == 0.0:
             self._mean_prefill_s = prefill_s
         else:
@@ -161,22 +170,38 @@ class OutstandingWork:
         if entry.stream and entry.predicted_ttft_s > 0:
             measured = now - entry.sent_at
             if measured > 0:
-                x = min(max(math.log(measured / entry.predicted_ttft_s),
-                            math.log(BIAS_MIN)), math.log(BIAS_MAX))
-                if self._samples:
-                    error = x - _debiased(self._log_bias, self._samples)
-                    self._log_var += BIAS_ALPHA * (error * error - self._log_var)
-                    self._residuals += 1
-                self._log_bias += BIAS_ALPHA * (x - self._log_bias)
-                self._samples += 1
-                self.fleet_readings.n += 1
-                self._fleet_at_last = self.fleet_readings.n
+                entry.reading = min(max(math.log(measured / entry.predicted_ttft_s),
+                                        math.log(BIAS_MIN)), math.log(BIAS_MAX))
         self._changed(now)
 
-    def end(self, token: int, now: float) -> None:
-        """The request finished, failed or was cancelled: it no longer loads the replica."""
-        if self._entries.pop(token, None) is not None:
-            self._changed(now)
+    def end(self, token: int, now: float, cached_tokens: int | None = None) -> None:
+        """The request finished, failed or was cancelled: it no longer loads the replica.
+
+        Its first byte's reading teaches the bias now, unless the replica reported
+        `cached_tokens` other than the prediction assumed: then the time measured the
+        index's error, not the replica's speed. A prefix the index credited to a replica
+        that had evicted it (or never announced a reset) makes a prefill 10-50x the
+        predicted; taken as speed, a burst of them drove the bias to its bound and priced
+        that replica, and through the fleet's bias every other, 4x dearer (a stale start
+        in loadgen, 2026-12-05)."""
+        entry = self._entries.pop(token, None)
+        if entry is None:
+            return
+        if entry.reading is not None and (
+                cached_tokens is None or entry.predicted_cached is None
+                or cached_tokens == entry.predicted_cached):
+            self._learn(entry.reading)
+        self._changed(now)
+
+    def _learn(self, x: float) -> None:
+        if self._samples:
+            error = x - _debiased(self._log_bias, self._samples)
+            self._log_var += BIAS_ALPHA * (error * error - self._log_var)
+            self._residuals += 1
+        self._log_bias += BIAS_ALPHA * (x - self._log_bias)
+        self._samples += 1
+        self.fleet_readings.n += 1
+        self._fleet_at_last = self.fleet_readings.n
 
     @property
     def bias(self) -> float:

@@ -256,7 +256,8 @@ class Forwarder:
         work = up.reserved.pop(replica.replica_id, None)
         if work is None:
             prefill_s, predicted_ttft_s = up.predicted_work.get(replica.replica_id, (0.0, 0.0))
-            work = replica.work.begin(self._fleet.now(), prefill_s, predicted_ttft_s, up.stream)
+            work = replica.work.begin(self._fleet.now(), prefill_s, predicted_ttft_s, up.stream,
+                                      up.predicted_cached.get(replica.replica_id))
         resp: UpstreamResponse | None = None
         try:
             state = StreamState(up, outcome)
@@ -318,7 +319,8 @@ class Forwarder:
             return response, outcome
         finally:
             replica.end_request()
-            replica.work.end(work, self._fleet.now())
+            # The usage of this attempt's answer (streamed: its last chunk), if it came.
+            replica.work.end(work, self._fleet.now(), outcome.cached_tokens)
             if resp is not None:
                 # An answer read to its end leaves its connection for the next request;
                 # one cut short drops it, which is how vLLM learns to abort the request.

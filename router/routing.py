@@ -660,7 +660,9 @@ class RoutingPipeline:
             # gets to it: a burst's decisions are made before any of them is forwarded,
             # and each must see the ones before it (else the whole burst herds).
             work_s, ttft_s = decision.predicted_work.get(chosen.replica_id, (0.0, 0.0))
-            reserved[chosen.replica_id] = chosen.work.begin(now, work_s, ttft_s, parsed.stream)
+            reserved[chosen.replica_id] = chosen.work.begin(
+                now, work_s, ttft_s, parsed.stream,
+                decision.predicted_cached.get(chosen.replica_id))
         ranked = [by_id[rid] for rid in decision.ranked if rid in by_id]
         if decision.replica_id in by_id and (not ranked or ranked[0].replica_id != decision.replica_id):
             ranked.insert(0, by_id[decision.replica_id])

@@ -38,6 +38,8 @@ class UpstreamRequest:
     # replica id -> (predicted prefill seconds, predicted TTFT seconds), for the replica's
     # outstanding-work account (router/outstanding.py); replicas not named count 0.
     predicted_work: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    # The cached prompt tokens each prediction assumed (the policy's, pending included).
+    predicted_cached: Mapping[str, int] = field(default_factory=dict)
     # replica id -> the outstanding-work entry routing reserved there (Route.reserved,
     # shared): the attempt on that replica takes it over and ends it.
     reserved: dict[str, int] = field(default_factory=dict)

@@ -190,6 +190,48 @@ async def test_predicted_cached_tokens_equal_reported_with_kv_events(start_gatew
         assert set(bounded) == {"chain_cache", "pending", "index", "suspects"}
 
 
+async def test_a_first_token_timed_on_a_cache_the_replica_no_longer_held_teaches_nothing(
+        start_gateway: Any) -> None:
+    """The learned TTFT bias reads a replica's speed from its first tokens: one timed on
+    a prefix the index credited but the replica no longer held measured the index's
+    error, and is dropped once the answer's usage shows it. Here the replica's cache is
+    reset while it is idle, which vLLM announces only with its next step."""
+    prompt = tokens(7, 160)
+    async with AsyncSimFleet(1, block_size=16, num_blocks=4000) as fleet:
+        gw = await start_gateway(gateway_config(fleet.replicas, model=MODEL, port=free_port()))
+        assert gw.app_gateway is not None and gw.app_gateway.fleet is not None
+        replica = gw.app_gateway.fleet.all()[0]
+
+        async def streamed() -> tuple[int, int]:
+            """(predicted, reported) cached tokens of one streamed request."""
+            async with gw.session.post(
+                    f"{gw.url}/v1/completions",
+                    json={**completion(prompt), "stream": True,
+                          "stream_options": {"include_usage": True}},
+                    headers={"Authorization": "Bearer sk-alpha"}) as resp:
+                assert resp.status == 200, await resp.text()
+                predicted = int(resp.headers["x-cacheroute-predicted-cached-tokens"])
+                chunks = [json.loads(line[6:]) for line in (await resp.text()).splitlines()
+                          if line.startswith("data: {")]
+            usage = next(c["usage"] for c in chunks if c.get("usage"))
+            return predicted, usage["prompt_tokens_details"]["cached_tokens"]
+
+        async def ended(samples: int) -> bool:
+            view = replica.work.view(time.monotonic())
+            return view.pending == view.decoding == 0 and view.samples >= samples
+
+        assert await streamed() == (0, 0)
+        await wait_until(lambda: ended(1), 10, "the first reading")
+        await wait_indexed(gw.app_gateway.index, MODEL, replica.replica_id, prompt[:144],
+                           tenant_salt("alpha"))
+        async with gw.session.post(f"{fleet.urls[0]}/reset_prefix_cache") as resp:
+            assert resp.status == 200
+        assert await streamed() == (144, 0)  # the index did not know: a miss
+        assert await streamed() == (144, 144)  # the reset announced since: a hit
+        await wait_until(lambda: ended(2), 10, "the third reading")
+        assert replica.work.view(time.monotonic()).samples == 2
+
+
 async def bounded_entries(gw: GatewayClient, structure: str) -> float:
     """The gateway's cacheroute_bounded_entries for `structure`, from /metrics."""
     _, text = await gw.get("/metrics")

@@ -94,10 +94,13 @@ def test_the_bias_is_a_mean_of_recent_measurements_and_never_past_its_bounds() -
     work = OutstandingWork()
     token = work.begin(0.0, 0.1, 0.1, stream=True)
     work.first_byte(token, 0.2)
+    assert work.bias == 1.0  # learned when the request ends (its usage known)
+    work.end(token, 0.3)
     # One measurement is all its own evidence (how far to trust it is toward_fleet's).
     assert work.bias == pytest.approx(2.0)
     token = work.begin(1.0, 0.1, 0.1, stream=True)
     work.first_byte(token, 1.05)
+    work.end(token, 1.1)
     # Two: their weighted mean in log space, the newer weighing more.
     w_new = BIAS_ALPHA / (1 - (1 - BIAS_ALPHA) ** 2)
     assert math.log(work.bias) == pytest.approx(
@@ -105,7 +108,22 @@ def test_the_bias_is_a_mean_of_recent_measurements_and_never_past_its_bounds() -
     for i in range(200):
         token = work.begin(float(i), 0.01, 0.01, stream=True)
         work.first_byte(token, i + 10.0)  # 1000x slower, every time
+        work.end(token, i + 10.5)
     assert work.bias == pytest.approx(BIAS_MAX)
+
+
+@pytest.mark.parametrize(("cached", "learned"), [(4800, 2.0), (None, 2.0), (0, 1.0), (4816, 1.0)])
+def test_a_reading_learns_only_where_the_replica_cached_what_was_predicted(
+        cached: int | None, learned: float) -> None:
+    # Predicted with 4,800 tokens cached, twice as slow as predicted. A replica reporting
+    # other cached tokens (it had evicted the prefix, or held more of it) was timed on
+    # other work: that says nothing about its speed. Not reported (None): taken as is.
+    work = OutstandingWork()
+    token = work.begin(0.0, 0.1, 0.1, stream=True, predicted_cached=4800)
+    work.first_byte(token, 0.2)
+    work.end(token, 0.5, cached_tokens=cached)
+    assert work.bias == pytest.approx(learned)
+    assert work.view(1.0).samples == (1 if learned != 1.0 else 0)
 
 
 def test_non_streamed_requests_do_not_teach_the_bias() -> None:

@@ -592,9 +592,13 @@ def test_ready_shows_what_the_policy_weighs_on_each_replica() -> None:
     assert (idle["queued_prefill_s"], idle["pending"], idle["ttft_bias"],
             idle["bias_samples"]) == (0.0, 0, 1.0, 0)
     assert (idle["external_running"], idle["external_waiting"]) == (2, 2)
-    # A streamed request predicted at 0.1 s answers in 0.2: the bias learns from it.
+    # A streamed request predicted at 0.1 s answers in 0.2: the bias learns from it once
+    # it ends (its usage known); another decodes, a third waits for its prefill.
+    done = replica.work.begin(0.0, 0.1, 0.1, True)
     first = replica.work.begin(0.0, 0.1, 0.1, True)
     second = replica.work.begin(0.0, 0.3, 0.4, True)
+    replica.work.first_byte(done, 0.2)
+    replica.work.end(done, 0.2)
     replica.work.first_byte(first, 0.2)
     state = replica.describe(0.2)
     assert state["pending"] == 1 and state["decoding"] == 1 and state["bias_samples"] == 1
@@ -804,5 +808,6 @@ async def test_a_fleets_replicas_count_their_readings_together() -> None:
         for i in range(6):  # six streamed answers from "a", none from "b"
             token = a.work.begin(float(i), 0.1, 0.1, stream=True)
             a.work.first_byte(token, i + 0.05)
+            a.work.end(token, i + 0.5)
         assert a.work.view(10.0).missed_readings == 0.0
         assert b.work.view(10.0).missed_readings == pytest.approx(6 / 4)
