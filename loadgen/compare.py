@@ -628,7 +628,7 @@ def _run_policy(policy: str, round_index: int, fleet: TargetFleet, index: str,
                     # cache_aware does so for any request it routes; vllm-router does not
                     # tokenize chat, and SMG keeps no tokenizer cache by default.
                     asyncio.run(warm_shared_prefixes(url, shared))
-            before = fleet.request_counts()
+            before = fleet.ttft_totals()
 
             def advance(_record: RequestRecord) -> None:
                 progress.advance(task)
@@ -646,10 +646,12 @@ def _run_policy(policy: str, round_index: int, fleet: TargetFleet, index: str,
     done = len(result.completed())
     progress.console.print(f"{label}: {done}/{len(result.records)} completed in "
                            f"{result.wall_s:.1f}s")
-    after = fleet.request_counts()
-    counts = {name: after[name] - before.get(name, 0) for name in after}
+    after = fleet.ttft_totals()
+    counts = {name: after[name][0] - before.get(name, (0, 0.0))[0] for name in after}
+    seconds = sum(after[name][1] - before.get(name, (0, 0.0))[1] for name in after)
     return PolicyRun(policy, result, [r.name for r in fleet.replicas], note=note,
-                     replica_counts=counts, round=round_index)
+                     replica_counts=counts, round=round_index,
+                     replica_ttft=(sum(counts.values()), seconds))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -43,6 +43,9 @@ class PolicyRun:
     replica_counts: dict[str, int] | None = None
     # Which round of a repeated comparison (0-based); every policy runs once per round.
     round: int = 0
+    # The replicas' own TTFT histograms over the run: (requests, seconds summed), each
+    # from the request's arrival at the replica to its first token.
+    replica_ttft: tuple[int, float] | None = None
 
     def requests_per_replica(self) -> dict[str, int]:
         """Requests per replica: from response headers, else from the replicas' counts."""
@@ -107,6 +110,14 @@ def summarize(run: PolicyRun, time_scale: float = 1.0) -> dict[str, Any]:
         "wall_s": run.result.wall_s,
         "note": run.note,
     }
+    # What the router, its hops and the client add to a first token: the client's mean
+    # TTFT over the replicas' own (same requests: counted only where the replicas timed
+    # as many as the client did). The client's share is the same under every router.
+    row["replica_ttft_mean_s"] = row["ttft_outside_mean_s"] = None
+    if run.replica_ttft is not None and run.replica_ttft[0] == len(ttft) and ttft:
+        at_replicas = run.replica_ttft[1] / run.replica_ttft[0] * time_scale
+        row["replica_ttft_mean_s"] = at_replicas
+        row["ttft_outside_mean_s"] = row["ttft_mean_s"] - at_replicas
     if run.oracle is not None:
         row.update({f"oracle_{k}": v for k, v in run.oracle.as_dict().items()})
     return row
@@ -179,6 +190,23 @@ def ratio_lines(ratios: dict[str, dict[str, Any]], ours: str = OURS) -> list[str
         out.append(f"- {ours} {names[figure]}: {ratio} of the best peer's "
                    f"({fmt(r['ours'])}{unit} vs {fmt(r['best_peer_value'])}{unit}, "
                    f"{r['best_peer']}; medians over rounds)")
+    return out
+
+
+def outside_lines(aggregated: Sequence[dict[str, Any]]) -> list[str]:
+    """Each policy's mean TTFT outside the replicas (medians over rounds), where known."""
+    out = []
+    for a in aggregated:
+        outside = a.get("ttft_outside_mean_s")
+        mean = a.get("ttft_mean_s")
+        if outside and mean:
+            out.append(f"  - {a['policy']}: {_ms(outside['median'])} ms "
+                       f"({_ms(outside['min'])}-{_ms(outside['max'])}) of a "
+                       f"{_ms(mean['median'])} ms mean")
+    if out:
+        out.insert(0, "- TTFT outside the replicas: the client's mean minus the replicas' "
+                      "own (their histograms, arrival to first token): the router, its "
+                      "hops and the client, whose share is the same for every router")
     return out
 
 
@@ -316,6 +344,9 @@ def write_report(out: Path, runs: Sequence[PolicyRun], meta: dict[str, Any],
         lines += ["", *ratio_lines(ratios), ""]
     if floor is not None:
         lines += [*([] if ratios else [""]), *floor_lines(floor, aggregated), ""]
+    outside = outside_lines(aggregated)
+    if outside:
+        lines += [*outside, ""]
     if repeated:
         lines += ["## Every run", ""]
         table = markdown_table([{**row, "policy": f"{row['policy']} (round {row['round'] + 1})"}

@@ -67,19 +67,28 @@ class TargetFleet:
             # request under a block long makes the step and caches nothing.
             _step_once(r.url, r.name)
 
-    def request_counts(self) -> dict[str, int]:
-        """Requests each replica has answered so far (its TTFT histogram's count)."""
-        out: dict[str, int] = {}
+    def ttft_totals(self) -> dict[str, tuple[int, float]]:
+        """Each replica's TTFT histogram so far: (requests, seconds summed), as it measures
+        them (vLLM: from its API server's arrival of the request to its first token)."""
+        out: dict[str, tuple[int, float]] = {}
         for r in self.replicas:
             try:
                 with urllib.request.urlopen(f"{r.url}/metrics", timeout=5) as resp:
                     text = resp.read().decode()
             except (urllib.error.URLError, OSError) as exc:
                 raise HarnessError(f"{r.name}: GET /metrics failed: {exc}") from exc
-            out[r.name] = int(sum(
-                float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith("vllm:time_to_first_token_seconds_count")))
+            count = total = 0.0
+            for line in text.splitlines():
+                if line.startswith("vllm:time_to_first_token_seconds_count"):
+                    count += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("vllm:time_to_first_token_seconds_sum"):
+                    total += float(line.rsplit(" ", 1)[1])
+            out[r.name] = (int(count), total)
         return out
+
+    def request_counts(self) -> dict[str, int]:
+        """Requests each replica has answered so far (its TTFT histogram's count)."""
+        return {name: count for name, (count, _) in self.ttft_totals().items()}
 
 
 def _reset_once(url: str) -> bool:

@@ -43,6 +43,8 @@ def test_two_instances_of_each_router_share_the_requests(tmp_path: Path,
         assert row["completed"] == 8 and row["errors"] == 0, row
         assert sum(row["requests_per_replica"].values()) == 8
         assert "requests per instance 4/4" in row["note"], row["note"]
+        # The sims timed the same 8 first tokens the client did, each a part of it.
+        assert 0 < row["replica_ttft_mean_s"] < row["ttft_mean_s"], row
     assert "2 gateways sharing the index" in rows["cache_aware"]["note"]
     assert "joined by its mesh" in rows["smg:cache_aware"]["note"]
     assert "independent" in rows["vllm-router:cache_aware"]["note"]

@@ -60,6 +60,21 @@ def test_time_scale_converts_to_simulated_seconds() -> None:
     assert row["throughput_rps"] == pytest.approx(0.2)
 
 
+def test_what_a_first_token_spends_outside_the_replicas() -> None:
+    # The replicas timed the 4 completed requests at 30 ms in all (7.5 ms each); the
+    # client saw 47.5 ms on average: 40 ms between them (router, hops, client).
+    row = summarize(PolicyRun("x", _run(), ["r0", "r1"], replica_ttft=(4, 0.030)))
+    assert row["replica_ttft_mean_s"] == pytest.approx(0.0075)
+    assert row["ttft_outside_mean_s"] == pytest.approx(0.040)
+    scaled = summarize(PolicyRun("x", _run(), ["r0", "r1"], replica_ttft=(4, 0.030)),
+                       time_scale=10.0)
+    assert scaled["ttft_outside_mean_s"] == pytest.approx(0.40)
+    # Not the same requests (a replica timed one the client never saw complete): no figure.
+    for timed in [(5, 0.030), None]:
+        row = summarize(PolicyRun("x", _run(), ["r0", "r1"], replica_ttft=timed))
+        assert row["ttft_outside_mean_s"] is None and row["replica_ttft_mean_s"] is None
+
+
 def test_report_files(tmp_path: Path) -> None:
     oracle = bounds([OracleRequest([1, 2, 3, 4, 5]), OracleRequest([1, 2, 3, 4, 6])],
                     block_size=4, fleet_blocks=8)
@@ -101,9 +116,9 @@ def test_replica_counts_stand_in_when_the_router_names_no_replica() -> None:
 
 
 def test_repeated_rounds_lead_with_medians_spreads_and_peer_ratios(tmp_path: Path) -> None:
-    runs = [PolicyRun("cache_aware", _run(), ["r0", "r1"], round=0),
+    runs = [PolicyRun("cache_aware", _run(), ["r0", "r1"], round=0, replica_ttft=(4, 0.03)),
             PolicyRun("vllm-router:kv_aware", _run(), ["r0", "r1"], round=0),
-            PolicyRun("cache_aware", _run(), ["r0", "r1"], round=1),
+            PolicyRun("cache_aware", _run(), ["r0", "r1"], round=1, replica_ttft=(4, 0.07)),
             PolicyRun("vllm-router:kv_aware", _run(), ["r0", "r1"], round=1)]
     files = write_report(tmp_path / "out", runs, {"workload": "test"}, plots=False)
     data = json.loads(files.results_json.read_text())
@@ -116,3 +131,6 @@ def test_repeated_rounds_lead_with_medians_spreads_and_peer_ratios(tmp_path: Pat
     assert "| cache_aware | 2 | 35.0 (35.0-35.0) |" in md
     assert "cache_aware TTFT p50: 1.00x of the best peer's" in md
     assert "| cache_aware (round 2) |" in md
+    # 47.5 ms at the client, 7.5 and 17.5 at the replicas; the peer's replicas untimed.
+    assert "  - cache_aware: 35.0 ms (30.0-40.0) of a 47.5 ms mean" in md
+    assert "  - vllm-router:kv_aware:" not in md
