@@ -73,20 +73,20 @@ def described(plan: Plan) -> list[object]:
     return out
 
 
-def receive(tracker: SequenceTracker, message: tuple[int, bytes]) -> list[object]:
-    plan = tracker.receive(*message)
+def performed(tracker: SequenceTracker, plan: Plan) -> list[object]:
+    """Report a plan's batches applied, as the stream does once they are in the index."""
     for step in plan.steps:
         if isinstance(step, Apply):
             tracker.applied(step.seq, step.batch)
     return described(plan)
+
+
+def receive(tracker: SequenceTracker, message: tuple[int, bytes]) -> list[object]:
+    return performed(tracker, tracker.receive(*message))
 
 
 def replayed(tracker: SequenceTracker, batches: dict[int, bytes]) -> list[object]:
-    plan = tracker.replayed(batches)
-    for step in plan.steps:
-        if isinstance(step, Apply):
-            tracker.applied(step.seq, step.batch)
-    return described(plan)
+    return performed(tracker, tracker.replayed(batches))
 
 
 def test_first_contact_clears_then_batches_follow_in_order() -> None:
@@ -278,11 +278,7 @@ def test_a_batch_is_published_as_applied_only_when_reported() -> None:
 
 
 def caught_up(tracker: SequenceTracker) -> list[object]:
-    plan = tracker.catch_up()
-    for step in plan.steps:
-        if isinstance(step, Apply):
-            tracker.applied(step.seq, step.batch)
-    return described(plan)
+    return performed(tracker, tracker.catch_up())
 
 
 def test_a_new_subscription_replays_what_was_published_before_it_listened() -> None:
