@@ -3,12 +3,13 @@
 For every policy the harness starts a fresh router over the same fleet, with every
 replica's prefix cache reset (and the reset announced: target_fleet.py) and the shared
 index emptied first, and our indexer caught up with the replicas' event histories before
-the first request, so each policy starts cold and sees the same request stream: our gateway (`python -m router serve`,
-gateway_under_test.py) for our policies, and the peers (peers.py) for theirs:
-vllm-router, and SMG on chat traffic. `--repeats N` runs every policy once per round,
-N rounds interleaved, and the report (report.py, rounds.py) gives each figure's median
-and spread over rounds and cache_aware's ratios against the best peer policy, TTFT
-always beside hit rate and the stream's oracle bounds (oracle.py).
+the first request, so each policy starts cold and sees the same request stream: our
+gateway (`python -m router serve`, gateway_under_test.py) for our policies, and the
+peers (peers.py) for theirs: vllm-router, and SMG on chat traffic. `--repeats N` runs
+every policy once per round, N rounds interleaved, and the report (report.py,
+rounds.py) gives each figure's median and spread over rounds and cache_aware's ratios
+against the best peer policy, TTFT always beside hit rate and the stream's oracle bounds
+(oracle.py).
 
 `--api tokens` sends token ids to /v1/completions; `--api chat` sends the same prompts as
 chat (messages, and tools for agents) to /v1/chat/completions (workloads/chat_text.py).

@@ -86,10 +86,6 @@ class TargetFleet:
             out[r.name] = (int(count), total)
         return out
 
-    def request_counts(self) -> dict[str, int]:
-        """Requests each replica has answered so far (its TTFT histogram's count)."""
-        return {name: count for name, (count, _) in self.ttft_totals().items()}
-
 
 def _reset_once(url: str) -> bool:
     req = urllib.request.Request(f"{url}/reset_prefix_cache", method="POST")
