@@ -282,7 +282,7 @@ class Forwarder:
                             if event is None:
                                 raise UpstreamFailure("reset", "stream ended before any content")
                             out, content = state.process(event)
-                            failed = _error_event_status(event)
+                            failed = state.error_code
                             if failed is not None:
                                 # The replica failed it before any content: as a 5xx answer.
                                 raise _status_failure(failed, event_data(event).decode(
@@ -467,19 +467,6 @@ def _status_failure(status: int, text: str) -> UpstreamFailure:
         failure = UpstreamFailure("status_5xx", f"HTTP {status}: {text[:200]}", accepted=True)
     failure.status_seen = status
     return failure
-
-
-def _error_event_status(event: bytes) -> int | None:
-    """The 5xx status of an SSE error event (vLLM streams engine failures so), else None."""
-    data = event_data(event)
-    if b'"error"' not in data:
-        return None
-    try:
-        err = json.loads(data).get("error")
-        code = int(err.get("code") or 0) if isinstance(err, dict) else 0
-    except (ValueError, TypeError, AttributeError):
-        return None
-    return code if code >= 500 else None
 
 
 # Body fields that change how /tokenize renders a prompt (vLLM's TokenizeRequest).

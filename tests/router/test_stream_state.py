@@ -54,12 +54,35 @@ CHUNKS: dict[str, Any] = {
     "index as a string": {"choices": [{"index": "0", "text": "z", "token_ids": [1]}]},
     "token ids not ints": {"choices": [{"index": 0, "text": "z", "token_ids": ["a"]}]},
     "usage a list": {"choices": [], "usage": [1]},
+    # The view reads a chunk with its prompt ids cut out (without_prompt_ids); these keep
+    # the cut from changing what it reads, or make it fall back to the whole parse.
+    "prompt ids nested (the cut leaves bad JSON)": {
+        "prompt_token_ids": [[1, 2], [3]], "choices": [{"index": 0, "text": "q", "token_ids": [4]}]},
+    "prompt ids null": {"prompt_token_ids": None, "choices": [{"index": 0, "text": "q"}]},
+    "prompt ids key inside a text": {
+        "choices": [{"index": 0, "text": '"prompt_token_ids": [1, 2] ]', "token_ids": [3]}]},
+    "prompt ids in every choice, usage after": {
+        "choices": [{"index": 0, "text": "", "prompt_token_ids": [1, 2], "token_ids": [3]},
+                    {"index": 1, "text": "b", "prompt_token_ids": [4], "token_ids": [5]}],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 1,
+                  "prompt_tokens_details": {"cached_tokens": 0}}},
+    "error beside choices": {"choices": [], "error": {"message": "engine dead", "code": 503}},
 }
 RAW_EVENTS = {
     "done": b"data: [DONE]\n\n",
     "not json": b"data: {choices\n\n",
     "a list": b'data: [{"choices": []}]\n\n',
     "comment": b": keep-alive\n\n",
+    # vLLM's own serializer writes compact JSON; json.dumps above puts in spaces.
+    "compact first chunk": b"data: " + json.dumps(
+        CHUNKS["completion first, prompt ids in the choice"], separators=(",", ":")).encode()
+        + b"\n\n",
+    "compact chat role chunk, CRLF": b"data: " + json.dumps(
+        CHUNKS["chat role, prompt ids at the top"], separators=(",", ":")).encode() + b"\r\n\r\n",
+    "error only, 5xx": b'data: {"error": {"message": "boom", "code": 500}}\n\n',
+    "error only, 4xx": b'data: {"error": {"message": "bad", "code": 400}}\n\n',
+    "error only, code a string": b'data: {"error": {"message": "x", "code": "503"}}\n\n',
+    "error not an object": b'data: {"error": "boom"}\n\n',
 }
 SETTINGS = list(itertools.product([True, False], repeat=3))  # wants_usage, strip, collect
 
@@ -86,12 +109,37 @@ def _observed(state: StreamState) -> tuple[Any, ...]:
 def test_the_typed_view_answers_as_the_whole_parse(event: bytes, wants_usage: bool, strip: bool,
                                                    collect: bool) -> None:
     fast, whole = _state(wants_usage, strip, collect), _state(wants_usage, strip, collect)
-    data = event[len(b"data: "):-2] if event.startswith(b"data: ") else b""
+    data = event[len(b"data: "):].rstrip(b"\r\n") if event.startswith(b"data: ") else b""
     # Chunks that name neither usage nor choices pass unread (errors are caught apart).
     read = data.startswith(b"{") and (b'"usage"' in data or b'"choices"' in data)
     expected = whole._process_whole(event, data) if read else (event, False)
     assert fast.process(event) == expected
     assert _observed(fast) == _observed(whole)
+
+
+def _error_status(event: bytes) -> int | None:
+    """What the proxy read before StreamState.error_code: a 5xx error event's code."""
+    data = b"\n".join(line[5:].lstrip(b" ") for line in event.splitlines()
+                      if line.startswith(b"data:"))
+    if b'"error"' not in data:
+        return None
+    try:
+        err = json.loads(data).get("error")
+        code = int(err.get("code") or 0) if isinstance(err, dict) else 0
+    except (ValueError, TypeError, AttributeError):
+        return None
+    return code if code >= 500 else None
+
+
+@pytest.mark.parametrize(("wants_usage", "strip"), [(True, False), (False, True)])
+@pytest.mark.parametrize("event", [pytest.param(_event(c), id=n) for n, c in CHUNKS.items()]
+                         + [pytest.param(e, id=n) for n, e in RAW_EVENTS.items()])
+def test_an_error_events_code_is_read_as_the_proxy_read_it(event: bytes, wants_usage: bool,
+                                                           strip: bool) -> None:
+    state = _state(wants_usage, strip, collect=False)
+    state.error_code = 599  # left from an earlier event: process must not keep it
+    state.process(event)
+    assert state.error_code == _error_status(event)
 
 
 def test_a_chunk_the_client_asked_ids_for_passes_byte_for_byte() -> None:
