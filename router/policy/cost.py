@@ -186,8 +186,9 @@ def estimate_ttft(
     uncached = max(n - cached, 0)
     profile: PrefillProfile = replica.profile or config.prefill
     bias = replica.bias
-    prefill_s = bias * profile.seconds(uncached, n)
-    queued_work_s = queued_work(request, replica, config)
+    unbiased_s = profile.seconds(uncached, n)
+    prefill_s = bias * unbiased_s
+    queued_work_s = max(0.0, unbiased_s - profile.base_s)  # queued_work, computed once
 
     external_s, external_now = _others_waiting(request, replica, config)
     # Other gateways' queue twice over: shared through Redis (fresh, theirs only) and in

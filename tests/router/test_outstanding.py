@@ -13,6 +13,7 @@ from router.outstanding import (
     FleetBias,
     OutstandingWork,
     ReadingCount,
+    WorkView,
     fleet_bias,
     toward_fleet,
 )
@@ -254,3 +255,34 @@ def test_the_drawn_bias_rescales_the_queue_too() -> None:
 
 def test_fleet_bias_is_one_until_some_replica_has_learned() -> None:
     assert fleet_bias([OutstandingWork().view(0.0)]) == FleetBias()
+
+
+def test_a_view_drawn_toward_its_fleet_keeps_every_other_field() -> None:
+    # toward_fleet builds the new view field by field (dataclasses.replace cost more,
+    # per replica per decision): a field it left out would fall back to its default.
+    import dataclasses
+
+    view = WorkView(wait_s=0.3, pending=2, decoding=3, mean_prefill_s=0.04, bias=2.0,
+                    samples=7, log_var=0.2, residuals=6, missed_readings=1.5)
+    assert all(getattr(view, f.name) != f.default for f in dataclasses.fields(WorkView))
+    drawn = toward_fleet(view, FleetBias(log_bias=0.0, log_var=0.01))
+    assert drawn.bias != view.bias
+    assert drawn == dataclasses.replace(view, bias=drawn.bias,
+                                        wait_s=view.wait_s * drawn.bias / view.bias)
+
+
+def test_a_view_counts_what_is_pending_and_what_decodes_in_one_pass() -> None:
+    work = OutstandingWork()
+    streamed = work.begin(0.0, prefill_s=0.2, predicted_ttft_s=0.2, stream=True)
+    work.begin(0.1, prefill_s=0.4, predicted_ttft_s=0.6, stream=True)
+    work.begin(0.2, prefill_s=0.3, predicted_ttft_s=0.9, stream=False)
+    work.first_byte(streamed, 0.25)  # decoding now; the queue re-anchors at 0.25
+    view = work.view(0.3)
+    # Pending: the second (streamed) and the third (non-streamed, within its predicted
+    # 0.3 s); their 0.7 s of prefill from the anchor at 0.25 end at 0.95.
+    assert (view.pending, view.decoding) == (2, 1)
+    assert view.wait_s == pytest.approx(0.65)
+    # Past its predicted prefill a non-streamed request counts as decoding.
+    later = work.view(0.55)
+    assert (later.pending, later.decoding) == (1, 2)
+    assert later.wait_s == pytest.approx(max(0.0, 0.25 + 0.4 - 0.55))

@@ -1,0 +1,134 @@
+"""What one routing decision costs the gateway as the fleet grows.
+
+    .venv/bin/python benchmarks/bench_policy.py [--replicas 2,8,32,128] [--requests 400]
+        [--baseline-repo DIR]
+
+The whole of RoutingPipeline.route for a 4k-token token-id prompt (a conversation's next
+turn: its earlier 3.75k tokens held by one replica, 256 new), in this process against a
+memory index: keying, the lookup, the pending chains, every replica's outstanding work
+(each has some in flight, half of it past its first token, and a learned TTFT bias a
+little off its fleet's) and the policy's estimate for each, then the pick. Per-replica work grows with the fleet; the rest does not, so
+the figure at 2 replicas is the fixed part. CPU time of this thread, median over
+--requests decisions, interleaved with --baseline-repo's (a git worktree of an earlier
+commit, run in a subprocess of its own) when given, each fleet size in turn, --rounds
+times: medians over rounds and their spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCK_SIZE = 16
+
+
+def measure(repo: Path, replicas: int, requests: int) -> float:
+    """Median CPU seconds of one decision in a fleet of `replicas`, run from `repo`."""
+    sys.path.insert(0, str(repo))
+    from router.config import LimitsConfig, TenantsConfig
+    from router.hashing import HashConfig
+    from router.index import MemoryIndex
+    from router.pending import PendingChains
+    from router.policy.pipeline import build_policy
+    from router.policy.types import PolicyConfig
+    from router.replicas import Replica, ReplicaSource
+    from router.request import parse_request
+    from router.routing import ChainCache, RoutingPipeline
+    from router.tenants import TenantRegistry
+
+    config = HashConfig(block_size=BLOCK_SIZE)
+    registry = TenantRegistry.from_config(TenantsConfig(allow_anonymous=True))
+    tenant = registry.identify(None)
+    fleet = [Replica(target=ReplicaSource(name=f"r{i}", url=f"http://127.0.0.1:{9000 + i}",
+                                          models=("m",), hash_config=config).target(),
+                     healthy=True) for i in range(replicas)]
+    now = time.monotonic()
+    for i, r in enumerate(fleet):
+        # A learned TTFT bias on each (each a little off its fleet's, so each is drawn
+        # toward it per decision), then some outstanding work, half of it decoding.
+        for k in range(4):
+            token = r.work.begin(now - 1.0, 0.02, 0.03, True)
+            r.work.first_byte(token, now - 1.0 + 0.03 * (1 + (i + k) % 5 / 10))
+            r.work.end(token, now - 0.9)
+        for k in range(1 + i % 3):
+            token = r.work.begin(now - 0.01 * k, 0.02, 0.03, True)
+            if k % 2:
+                r.work.first_byte(token, now)
+    index = MemoryIndex()
+    pipeline = RoutingPipeline(tokenizers={}, chains=ChainCache(), index=index,
+                               policy=build_policy(PolicyConfig(name="cache_aware", seed=1)),
+                               index_deadline_s=1.0, pending=PendingChains())
+    rng = random.Random(replicas)
+    history = [rng.randrange(10, 30000) for _ in range(3840)]
+    keys = ChainCache().event_keys(config, history, None)
+    asyncio.run(index.record("m", fleet[0].replica_id, keys, 3600.0))
+
+    async def decide_all() -> list[float]:
+        times = []
+        for n in range(requests + 1):
+            prompt = history + [rng.randrange(10, 30000) for _ in range(256)]
+            raw = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 1}).encode()
+            parsed = parse_request(raw, "completions", served_models=(), limits=LimitsConfig(),
+                                   tenant=tenant, registry=registry)
+            t0 = time.thread_time()
+            route = await pipeline.route(parsed, fleet, time.monotonic(), None, None,
+                                         offload=False, reserve=True)
+            t1 = time.thread_time()
+            route.release(time.monotonic())
+            route.drop_pending(pipeline.pending)
+            if n:
+                times.append(t1 - t0)
+        return times
+
+    return statistics.median(asyncio.run(decide_all()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--replicas", default="2,8,32,128")
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--baseline-repo", type=Path)
+    parser.add_argument("--one", nargs=3, metavar=("REPO", "REPLICAS", "REQUESTS"),
+                        help=argparse.SUPPRESS)  # a subprocess's measurement
+    args = parser.parse_args(argv)
+    if args.one:
+        print(measure(Path(args.one[0]), int(args.one[1]), int(args.one[2])))
+        return 0
+    try:
+        sizes = [int(s) for s in args.replicas.split(",")]
+    except ValueError:
+        parser.error(f"--replicas must be comma-separated counts, got {args.replicas!r}")
+    repos = {"this checkout": REPO}
+    if args.baseline_repo is not None:
+        repos["baseline"] = args.baseline_repo.resolve()
+    results: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.rounds):
+        for size in sizes:
+            for name, repo in repos.items():  # each in a fresh process: no shared caches
+                out = subprocess.run([sys.executable, __file__, "--one", str(repo), str(size),
+                                      str(args.requests)], check=True, capture_output=True,
+                                     text=True).stdout
+                results.setdefault((name, size), []).append(float(out))
+    print(f"one routing decision, 4k-token prompt, CPU us (median of {args.requests}; "
+          f"median over {args.rounds} rounds [min..max])")
+    print(f"{'replicas':>8} | " + " | ".join(f"{n:>26}" for n in repos))
+    for size in sizes:
+        cells = []
+        for name in repos:
+            v = [x * 1e6 for x in results[(name, size)]]
+            cells.append(f"{statistics.median(v):8.0f} [{min(v):.0f}..{max(v):.0f}]".rjust(26))
+        print(f"{size:>8} | " + " | ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
