@@ -9,8 +9,10 @@ fresh first block, so every block is new); a conversation growing 256 tokens a t
 8k (token ids); a chat's next turn at 8k (rendered with the tiny model's template and
 tokenized as the replica will). A fourth, an agent's first turn as chat (instructions
 and 24 tool definitions every session shares, one new question each: the burst an agent
-fleet opens with). `--cold-sizes 64,8192` adds a short cold prompt, where what is left
-is the HTTP hops themselves. Replicas are simulated with the instant profile, so the
+fleet opens with). The growing conversation once more, streamed and timed to its first
+token: a client's TTFT (with --return-token-ids its first chunk carries the prompt's 8k
+ids, as the load generator's do). `--cold-sizes 64,8192` adds a short cold prompt, where
+what is left is the HTTP hops themselves. Replicas are simulated with the instant profile, so the
 replica costs next to nothing and what the routers add is what shows.
 
 1. Where the gateway's time goes, per request: the gateway's own functions, called in
@@ -136,13 +138,21 @@ def cold(size: int) -> Scenario:
     return Scenario(f"token ids {size // 1024}k cold", "/v1/completions", bodies)
 
 
-def growing(size: int) -> Scenario:
+def growing(size: int, stream: bool = False) -> Scenario:
+    """A conversation growing TURN_TOKENS a turn from `size`; `stream`: each turn
+    streamed, 8 tokens out, timed to its first token (what the client's TTFT is)."""
     def bodies(rng: random.Random) -> Iterator[dict[str, Any]]:
         history = _ids(rng, size)
         while True:
-            yield {"model": MODEL, "prompt": list(history), "max_tokens": 1}
+            if stream:
+                yield {"model": MODEL, "prompt": list(history), "max_tokens": 8,
+                       "stream": True}
+            else:
+                yield {"model": MODEL, "prompt": list(history), "max_tokens": 1}
             history += _ids(rng, TURN_TOKENS)
-    return Scenario(f"token ids growing at {size // 1024}k", "/v1/completions", bodies)
+    name = f"streamed at {size // 1024}k: 1st token" if stream else \
+        f"token ids growing at {size // 1024}k"
+    return Scenario(name, "/v1/completions", bodies)
 
 
 def chat(size: int, tokenizer: PromptTokenizer) -> Scenario:
@@ -370,20 +380,30 @@ def start_vllm_router(fleet: SimFleet, tmp: Path, policy: str) -> Router | None:
 
 async def one_request(session: aiohttp.ClientSession, url: str, path: str, raw: bytes
                       ) -> tuple[float, dict[str, float]]:
-    """Seconds to the whole answer, and the stages of cacheroute's Server-Timing header
-    (seconds; empty from other routers)."""
+    """Seconds to the whole answer (a streamed one: to its first token, the first
+    event with text), and the stages of cacheroute's Server-Timing header (seconds;
+    empty from other routers)."""
     started = time.perf_counter()
+    first: float | None = None
     async with session.post(url + path, data=raw,
                             headers={"Content-Type": "application/json"}) as resp:
-        await resp.read()
         if resp.status != 200:
             raise RuntimeError(f"{url}{path}: HTTP {resp.status}: {(await resp.text())[:200]}")
+        if resp.content_type == "text/event-stream":
+            seen = b""
+            async for piece in resp.content.iter_any():  # read to the end: keep-alive
+                seen += piece
+                if first is None and re.search(rb'"text": ?"', seen):
+                    first = time.perf_counter()
+        else:
+            await resp.read()
         timing = resp.headers.get("Server-Timing", "")
+    end = first if first is not None else time.perf_counter()
     stages = {}
     for part in filter(None, timing.split(",")):
         name, _, dur = part.strip().partition(";dur=")
         stages[name] = float(dur) / 1000
-    return time.perf_counter() - started, stages
+    return end - started, stages
 
 
 async def added_latency(targets: list[tuple[str, str]], scenarios: list[Scenario], rounds: int,
@@ -582,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model_dir or tiny_model(tmp)
     tokenizer = PromptTokenizer.from_dir(model_dir, max_model_len=MAX_MODEL_LEN)
     scenarios = [*(cold(int(s)) for s in args.cold_sizes.split(",")), growing(args.size),
+                 growing(args.size, stream=True),
                  chat(args.size, tokenizer), agent_first_turn(24, 180)]
     profiles = {s.name: asyncio.run(stage_profile(s, tokenizer, max(20, args.per_round)))
                 for s in scenarios}
