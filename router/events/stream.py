@@ -37,6 +37,8 @@ DEFAULT_REPLAY_TIMEOUT_S = 2.0
 DEFAULT_PROBE_TTL_S = 120.0
 # vLLM publishes with hwm 100,000; a SUB with a smaller queue would drop what vLLM kept.
 _SUB_HWM = 100_000
+# Queued messages taken at once before the loop runs anything else (router requests).
+_DRAIN_AT_ONCE = 64
 
 
 class ReplayUnavailable(RuntimeError):
@@ -178,12 +180,23 @@ class ReplicaEventStream:
                 await self._guarded(self._perform(self._tracker.catch_up()))
             finally:
                 self.caught_up.set()
+        # Messages already queued are taken through a plain (blocking-mode) view of the
+        # same socket, without pyzmq's asyncio future for each: 3.2 us a message against
+        # 13.9 (a PUB/SUB pair on loopback, 5,000 queued). They queue when the process is
+        # busy, which is when it has least time to spare.
+        queued: zmq.Socket[bytes] = zmq.Socket.shadow(self._sub.underlying)
         # No deadline on recv: an idle replica legitimately sends nothing. Liveness is
         # judged by the gateway's health checks and stats.last_received_at.
         while not self._stopping:
             frames = await self._sub.recv_multipart()
             async with self._lock:
                 await self._guarded(self._on_message(frames))
+                for _ in range(_DRAIN_AT_ONCE):  # then back to the loop, for fairness
+                    try:
+                        frames = queued.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    await self._guarded(self._on_message(frames))
 
     async def _guarded(self, work: Coroutine[object, object, None]) -> None:
         """Perform a message's (or the catch-up's) plan; on failure, resync next time."""
