@@ -209,13 +209,9 @@ class OutstandingWork:
         return math.exp(_debiased(self._log_bias, self._samples))
 
     def _pending(self, now: float | None = None) -> list[_Entry]:
-        """Entries whose prefill is still ahead. A non-streamed request shows no first
-        byte until its last token, so it counts as pending only for its predicted
-        prefill time, then as decoding."""
+        """Entries whose prefill is still ahead (see _prefilling)."""
         bias = self.bias
-        return [e for e in self._entries.values()
-                if e.first_byte_at is None
-                and (e.stream or now is None or now - e.sent_at <= bias * e.prefill_s)]
+        return [e for e in self._entries.values() if _prefilling(e, now, bias)]
 
     def view(self, now: float) -> WorkView:
         """The work ahead of a request sent at `now` (see the module docstring)."""
@@ -229,9 +225,7 @@ class OutstandingWork:
             oldest = math.inf
             queued = 0.0
             for e in self._entries.values():
-                # As _pending: a non-streamed request's prefill is over once its
-                # predicted time has passed (it shows no first byte until its end).
-                if e.first_byte_at is None and (e.stream or now - e.sent_at <= bias * e.prefill_s):
+                if _prefilling(e, now, bias):
                     pending += 1
                     queued += e.prefill_s
                     if e.sent_at < oldest:
@@ -246,6 +240,14 @@ class OutstandingWork:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _prefilling(entry: _Entry, now: float | None, bias: float) -> bool:
+    """Whether the entry's prefill is still ahead at `now` (None: whenever). A
+    non-streamed request shows no first byte until its last token, so it counts as
+    prefilling only for its predicted prefill time, then as decoding."""
+    return entry.first_byte_at is None and (
+        entry.stream or now is None or now - entry.sent_at <= bias * entry.prefill_s)
 
 
 def _debiased(mean: float, n: int) -> float:

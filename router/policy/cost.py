@@ -130,7 +130,12 @@ def queued_work(request: RoutingRequest, replica: ReplicaState, config: PolicyCo
     profile: PrefillProfile = replica.profile or config.prefill
     n = request.num_prompt_tokens
     uncached = max(n - cached_tokens(request, replica), 0)
-    return max(0.0, profile.seconds(uncached, n) - profile.base_s)
+    return _queued(profile, profile.seconds(uncached, n))
+
+
+def _queued(profile: PrefillProfile, prefill_s: float) -> float:
+    """queued_work of a prefill of `prefill_s` (unbiased) by `profile`."""
+    return max(0.0, prefill_s - profile.base_s)
 
 
 def least_work(request: RoutingRequest, replicas: Sequence[ReplicaState],
@@ -188,7 +193,7 @@ def estimate_ttft(
     bias = replica.bias
     unbiased_s = profile.seconds(uncached, n)
     prefill_s = bias * unbiased_s
-    queued_work_s = max(0.0, unbiased_s - profile.base_s)  # queued_work, computed once
+    queued_work_s = _queued(profile, unbiased_s)  # queued_work, its prefill computed once
 
     external_s, external_now = _others_waiting(request, replica, config)
     # Other gateways' queue twice over: shared through Redis (fresh, theirs only) and in
