@@ -91,7 +91,12 @@ from router.index import MemoryIndex  # noqa: E402
 from router.policy.pipeline import build_policy  # noqa: E402
 from router.policy.types import PolicyConfig, RoutingRequest  # noqa: E402
 from router.replicas import Replica, ReplicaSource  # noqa: E402
-from router.request import decode_body, upstream_payload, validate_body  # noqa: E402
+from router.request import (  # noqa: E402
+    decode_body,
+    decode_completion,
+    upstream_payload,
+    validate_body,
+)
 from router.routing import (  # noqa: E402
     PROBE_BLOCKS,
     ChainCache,
@@ -222,10 +227,13 @@ async def stage_profile(scenario: Scenario, tokenizer: PromptTokenizer, requests
         raw = json.dumps(next(bodies)).encode()
         before = chains.hashed_blocks
         t0 = time.thread_time()
-        body = decode_body(raw)
+        # As parse_request decodes it: a completions prompt of ids read packed, in C.
+        body, ids = decode_completion(raw) if scenario.endpoint == "completions" else \
+            (decode_body(raw), None)
         t1 = time.thread_time()
         parsed = validate_body(body, raw, scenario.endpoint, served_models={MODEL},
-                               limits=LimitsConfig(), tenant=tenant, registry=registry)
+                               limits=LimitsConfig(), tenant=tenant, registry=registry,
+                               token_ids=ids)
         t2 = time.thread_time()
         tokens = prompt_tokens(tokenizer, parsed) or []
         t3 = time.thread_time()

@@ -14,6 +14,12 @@
 
    check_ids packs a list of token ids as little-endian int64 after checking each is an
    exact int in [0, 2**63): msgspec.convert's check and struct.pack in one pass.
+
+   prompt_ids finds a completions body's top-level "prompt" and, where it is a flat
+   array of plain non-negative integers, reads it straight into packed int64: no Python
+   int per id (8k of them cost ~150 us to create here, most of decoding such a body).
+   It reads only the common shape and answers None for anything else, so the caller's
+   generic decode keeps deciding, and wording, everything unusual.
 */
 #define PY_SSIZE_T_CLEAN
 /* SHA256_Init/Update/Final: deprecated in OpenSSL 3 in favour of EVP, whose one-shot
@@ -149,8 +155,9 @@ cbor_block(unsigned char *buf, const unsigned char *parent, Py_ssize_t plen,
 
 /* chain_sha256(cbor, parent, tokens, start, stop, block_size) -> list[bytes]
 
-   The keys of the full blocks of tokens[start:stop] (a list of ints), chained from
-   `parent`, for blocks whose extra keys are None. */
+   The keys of the full blocks of tokens[start:stop] (a list of ints, or a buffer of
+   int64 such as prompt_ids packs), chained from `parent`, for blocks whose extra keys
+   are None. */
 static PyObject *
 chain_sha256(PyObject *Py_UNUSED(self), PyObject *args)
 {
@@ -158,12 +165,26 @@ chain_sha256(PyObject *Py_UNUSED(self), PyObject *args)
     Py_buffer parent;
     PyObject *tokens;
     Py_ssize_t start, stop, size;
-    if (!PyArg_ParseTuple(args, "py*O!nnn", &cbor, &parent, &PyList_Type, &tokens,
-                          &start, &stop, &size))
+    if (!PyArg_ParseTuple(args, "py*Onnn", &cbor, &parent, &tokens, &start, &stop, &size))
         return NULL;
     PyObject *keys = NULL;
+    Py_buffer packed = {0};
+    const int64_t *column = NULL;  /* the ids, where given packed */
+    Py_ssize_t count;
+    if (PyList_Check(tokens)) {
+        count = PyList_GET_SIZE(tokens);
+    } else {
+        if (PyObject_GetBuffer(tokens, &packed, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        if (packed.itemsize != 8 || packed.format == NULL || strcmp(packed.format, "q") != 0) {
+            PyErr_SetString(PyExc_ValueError, "packed tokens must be int64 ('q')");
+            goto done;
+        }
+        column = packed.buf;
+        count = packed.len / 8;
+    }
     if (size <= 0 || size > MAX_BLOCK_TOKENS || parent.len > 255 || start < 0
-        || stop > PyList_GET_SIZE(tokens) || start > stop || (stop - start) % size) {
+        || stop > count || start > stop || (stop - start) % size) {
         PyErr_SetString(PyExc_ValueError, "bad block range or parent");
         goto done;
     }
@@ -179,7 +200,14 @@ chain_sha256(PyObject *Py_UNUSED(self), PyObject *args)
     for (Py_ssize_t b = 0; b < blocks; b++) {
         Py_ssize_t first = start + b * size;
         for (Py_ssize_t i = 0; i < size; i++) {
-            int64_t v = id_value(PyList_GET_ITEM(tokens, first + i));
+            int64_t v;
+            if (column != NULL) {
+                v = column[first + i];
+                if (v < 0)
+                    PyErr_SetString(PyExc_ValueError, "token id out of range [0, 2**63)");
+            } else {
+                v = id_value(PyList_GET_ITEM(tokens, first + i));
+            }
             if (v < 0) {
                 Py_CLEAR(keys);
                 goto done;
@@ -202,6 +230,8 @@ chain_sha256(PyObject *Py_UNUSED(self), PyObject *args)
         prev_len = SHA256_DIGEST_LENGTH;
     }
 done:
+    if (packed.obj != NULL)
+        PyBuffer_Release(&packed);
     PyBuffer_Release(&parent);
     return keys;
 }
@@ -239,11 +269,193 @@ check_ids(PyObject *Py_UNUSED(self), PyObject *args)
     return out;
 }
 
+/* JSON whitespace. */
+static const unsigned char *
+skip_ws(const unsigned char *p, const unsigned char *end)
+{
+    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r'))
+        p++;
+    return p;
+}
+
+/* Past a string starting at p ('"'), or NULL where it does not close. */
+static const unsigned char *
+skip_string(const unsigned char *p, const unsigned char *end)
+{
+    for (p++; p < end; p++) {
+        if (*p == '\\')
+            p++;  /* the escaped character, whatever it is */
+        else if (*p == '"')
+            return p + 1;
+    }
+    return NULL;
+}
+
+/* Past one value starting at p, or NULL. Not a validator: it only has to find where a
+   well-formed value ends (strings read with their escapes, brackets counted); the
+   caller's decoder checks the rest of the body. */
+static const unsigned char *
+skip_value(const unsigned char *p, const unsigned char *end)
+{
+    if (p >= end)
+        return NULL;
+    if (*p == '"')
+        return skip_string(p, end);
+    if (*p == '{' || *p == '[') {
+        Py_ssize_t depth = 0;
+        while (p < end) {
+            unsigned char c = *p;
+            if (c == '"') {
+                p = skip_string(p, end);
+                if (p == NULL)
+                    return NULL;
+                continue;
+            }
+            if (c == '{' || c == '[')
+                depth++;
+            else if (c == '}' || c == ']') {
+                if (--depth == 0)
+                    return p + 1;
+            }
+            p++;
+        }
+        return NULL;
+    }
+    while (p < end && *p != ',' && *p != '}' && *p != ']' && *p != ' ' && *p != '\t'
+           && *p != '\n' && *p != '\r')
+        p++;
+    return p;
+}
+
+/* The ids of a flat array of plain non-negative integers starting at p ('['), read
+   into out; returns past the array's ']', or NULL for any other shape (empty, negative,
+   a fraction or an exponent, a leading zero, beyond int64, nested, a string). One pass:
+   up to 18 digits cannot overflow, the 19th is checked, a 20th refused. */
+static const unsigned char *
+read_ids(const unsigned char *p, const unsigned char *end, int64_t *out, Py_ssize_t *count)
+{
+    Py_ssize_t n = 0;
+    p = skip_ws(p + 1, end);
+    if (p < end && *p == ']')
+        return NULL;
+    for (;;) {
+        if (p >= end || (unsigned)(*p - '0') > 9)
+            return NULL;
+        const unsigned char *first = p;
+        uint64_t v = 0;
+        while (p < end && (unsigned)(*p - '0') <= 9 && p - first < 18)
+            v = v * 10 + (unsigned)(*p++ - '0');
+        if (p < end && (unsigned)(*p - '0') <= 9) {  /* a 19th digit */
+            unsigned d = (unsigned)(*p++ - '0');
+            if (v > (((uint64_t)INT64_MAX) - d) / 10)
+                return NULL;
+            v = v * 10 + d;
+            if (p < end && (unsigned)(*p - '0') <= 9)
+                return NULL;
+        }
+        if (*first == '0' && p - first > 1)
+            return NULL;  /* a leading zero: not JSON */
+        out[n++] = (int64_t)v;
+        if (p < end && *p == ',') {
+            p++;
+        } else {
+            p = skip_ws(p, end);
+            if (p < end && *p == ']') {
+                *count = n;
+                return p + 1;
+            }
+            if (p >= end || *p != ',')
+                return NULL;
+            p++;
+        }
+        if (p < end && (unsigned)(*p - '0') > 9)
+            p = skip_ws(p, end);
+    }
+}
+
+/* prompt_ids(body) -> (start, stop, packed) | None
+
+   Where `body` (bytes-like) is a JSON object whose one top-level "prompt" is a flat
+   array of plain non-negative integers: the array's byte span and its ids as native
+   int64. None for every other body: no "prompt", a text or batched or empty one, a key
+   written with escapes, a second "prompt", anything after the object. */
+static PyObject *
+prompt_ids(PyObject *Py_UNUSED(self), PyObject *args)
+{
+    Py_buffer raw;
+    if (!PyArg_ParseTuple(args, "y*", &raw))
+        return NULL;
+    const unsigned char *buf = raw.buf;
+    const unsigned char *end = buf + raw.len;
+    const unsigned char *vstart = NULL, *vend = NULL;
+    PyObject *packed = NULL;
+    Py_ssize_t n = 0;
+    int failed = 0;  /* an exception is set: not a None answer */
+    const unsigned char *p = skip_ws(buf, end);
+    if (p >= end || *p != '{')
+        goto none;
+    p = skip_ws(p + 1, end);
+    if (p < end && *p == '}')
+        goto none;
+    for (;;) {
+        if (p >= end || *p != '"')
+            goto none;
+        const unsigned char *key = p + 1;
+        p = skip_string(p, end);
+        if (p == NULL || memchr(key, '\\', (size_t)(p - 1 - key)) != NULL)
+            goto none;
+        int is_prompt = (p - 1 - key) == 6 && memcmp(key, "prompt", 6) == 0;
+        p = skip_ws(p, end);
+        if (p >= end || *p != ':')
+            goto none;
+        p = skip_ws(p + 1, end);
+        if (!is_prompt) {
+            p = skip_value(p, end);
+        } else {
+            if (vstart != NULL || p >= end || *p != '[')
+                goto none;
+            /* Every id takes at least one digit and one separator, but the last. */
+            packed = PyBytes_FromStringAndSize(NULL, ((end - p) / 2 + 1) * 8);
+            if (packed == NULL) {
+                failed = 1;
+                goto none;
+            }
+            vstart = p;
+            p = vend = read_ids(p, end, (int64_t *)PyBytes_AS_STRING(packed), &n);
+        }
+        if (p == NULL)
+            goto none;
+        p = skip_ws(p, end);
+        if (p < end && *p == ',') {
+            p = skip_ws(p + 1, end);
+            continue;
+        }
+        if (p < end && *p == '}')
+            break;
+        goto none;
+    }
+    if (vstart == NULL || skip_ws(p + 1, end) != end)
+        goto none;
+    PyBuffer_Release(&raw);
+    if (_PyBytes_Resize(&packed, n * 8) < 0)
+        return NULL;
+    return Py_BuildValue("(nnN)", (Py_ssize_t)(vstart - buf), (Py_ssize_t)(vend - buf),
+                         packed);
+none:
+    Py_XDECREF(packed);
+    PyBuffer_Release(&raw);
+    if (failed)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"chain_sha256", chain_sha256, METH_VARARGS,
      "chain_sha256(cbor, parent, tokens, start, stop, block_size) -> list[bytes]"},
     {"check_ids", check_ids, METH_VARARGS,
      "check_ids(ids, count=-1) -> bytes: little-endian int64, each id checked"},
+    {"prompt_ids", prompt_ids, METH_VARARGS,
+     "prompt_ids(body) -> (start, stop, packed int64) | None: a flat token-id prompt"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -220,7 +220,7 @@ def event_key(digest: bytes) -> int:
     return int.from_bytes(digest, "big") & _EVENT_KEY_MASK
 
 
-def _run_keys(algo: str, parent: bytes, tokens: list[int], start: int, stop: int,
+def _run_keys(algo: str, parent: bytes, tokens: Sequence[int], start: int, stop: int,
               size: int, extra: tuple[Any, ...] | None) -> list[bytes]:
     """The keys of the full blocks of tokens[start:stop], each with `extra`, after
     `parent`: in C where the extension takes them, else chain_blocks' loop."""
@@ -232,7 +232,7 @@ def _run_keys(algo: str, parent: bytes, tokens: list[int], start: int, stop: int
     return chain_blocks(algo, parent, blocks, extra)
 
 
-def continue_keys(config: HashConfig, parent: bytes, tokens: list[int], start: int,
+def continue_keys(config: HashConfig, parent: bytes, tokens: Sequence[int], start: int,
                   stop: int) -> list[bytes]:
     """The keys BlockChain.extend gives the full blocks of tokens[start:stop] of a plain
     chain (no LoRA, no multimodal items) whose block start/size - 1 has key `parent`;
@@ -243,6 +243,22 @@ def continue_keys(config: HashConfig, parent: bytes, tokens: list[int], start: i
         raise ValueError(f"continue_keys starts past block 0 on a block boundary, not at {start}")
     return _run_keys(config.algo, parent, tokens, start, stop - (stop - start) % size, size,
                      block_extra_keys(size, 2 * size))
+
+
+def plain_chain_keys(config: HashConfig, tokens: Sequence[int], stop: int,
+                     cache_salt: str | None) -> list[bytes]:
+    """The keys BlockChain(config, cache_salt=cache_salt).extend(tokens[:stop]) gives a
+    plain chain (no LoRA, no multimodal items), without copying the tokens into a chain:
+    a packed prompt (router.native.prompt_ids) stays packed, no Python int per id."""
+    config.check_reproducible()
+    size = config.block_size
+    stop -= stop % size
+    if stop < size:
+        return []
+    first = config.hash_fn((config.root_hash(), tuple(tokens[:size]),
+                            block_extra_keys(0, size, cache_salt=cache_salt)))
+    return [first, *_run_keys(config.algo, first, tokens, size, stop, size,
+                              block_extra_keys(size, 2 * size))]
 
 
 @dataclass

@@ -89,7 +89,9 @@ class PromptHygiene:
 
     def observe(self, tenant: str, tokens: Sequence[int]) -> HygieneFinding | None:
         """Record one request's prompt tokens; return a finding if the divergence point moved."""
-        packed = array("q", tokens[: self.prefix_tokens]).tobytes()
+        head = tokens[: self.prefix_tokens]
+        # A packed prompt (router.native.prompt_ids) is int64 already.
+        packed = head.tobytes() if isinstance(head, memoryview) else array("q", head).tobytes()
         itemsize = array("q").itemsize
         state = self._state(tenant)
         if state.prefixes:

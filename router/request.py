@@ -12,14 +12,14 @@ max_tokens); everything else is left to the replica, which knows its own limits.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
 
 from router.config import LimitsConfig
-from router.native import checked_ids
+from router.native import checked_ids, prompt_ids
 from router.tenants import ClientSaltError, Tenant, TenantRegistry
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -65,15 +65,45 @@ class ParsedRequest:
     max_tokens: int | None
     cache_salt: str | None = None
     raw: bytes = b""  # the body as it came: forwarded with only the gateway's fields added
-    token_ids: list[int] | None = None  # a completions prompt given as (checked) token ids
+    # A completions prompt given as (checked) token ids: a list, or a memoryview of int64
+    # where router.native.prompt_ids read it (body["prompt"] is then its msgspec.Raw).
+    token_ids: Sequence[int] | None = None
 
 
 def parse_request(raw: bytes, endpoint: str, *, served_models: Collection[str],
                   limits: LimitsConfig, tenant: Tenant, registry: TenantRegistry,
                   ) -> ParsedRequest:
     """Decode and validate a body for `endpoint` ("chat" | "completions")."""
-    return validate_body(decode_body(raw), raw, endpoint, served_models=served_models,
-                         limits=limits, tenant=tenant, registry=registry)
+    if endpoint == "completions":
+        body, ids = decode_completion(raw)
+    else:
+        body, ids = decode_body(raw), None
+    return validate_body(body, raw, endpoint, served_models=served_models,
+                         limits=limits, tenant=tenant, registry=registry, token_ids=ids)
+
+
+def decode_completion(raw: bytes) -> tuple[dict[str, Any], Sequence[int] | None]:
+    """A completions body, and its prompt's ids where C read them (router.native.
+    prompt_ids: a flat array of plain non-negative integers, the common shape).
+
+    Decoding 8k ids as Python ints cost ~0.2 ms, most of a request's parse; read in C
+    they cost ~0.03 ms, and the rest of the body (the prompt's place held by null) is
+    decoded as usual. The body then carries the prompt as msgspec.Raw: the same JSON
+    when re-encoded. Any other shape, or a body the generic decoder refuses, takes the
+    generic path, so every error reads as before.
+    """
+    found = prompt_ids(raw)
+    if found is None:
+        return decode_body(raw), None
+    start, stop, ids = found
+    try:
+        body = _DECODER.decode(raw[:start] + b"null" + raw[stop:])
+    except (RecursionError, msgspec.DecodeError, msgspec.ValidationError):
+        return decode_body(raw), None  # its error, worded on the body as sent
+    if not isinstance(body, dict) or "prompt" not in body or body["prompt"] is not None:
+        return decode_body(raw), None  # not where the scan put it: decide generically
+    body["prompt"] = msgspec.Raw(memoryview(raw)[start:stop])
+    return body, ids
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -109,8 +139,10 @@ def _decode_problem(exc: Exception, raw: bytes) -> str:
 
 def validate_body(body: dict[str, Any], raw: bytes, endpoint: str, *,
                   served_models: Collection[str], limits: LimitsConfig, tenant: Tenant,
-                  registry: TenantRegistry) -> ParsedRequest:
-    """Validate a decoded body for `endpoint` ("chat" | "completions")."""
+                  registry: TenantRegistry,
+                  token_ids: Sequence[int] | None = None) -> ParsedRequest:
+    """Validate a decoded body for `endpoint` ("chat" | "completions"); `token_ids`: the
+    prompt's ids where decode_completion read them already."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ClientError("'model' is required and must be a string", "model")
@@ -120,10 +152,9 @@ def validate_body(body: dict[str, Any], raw: bytes, endpoint: str, *,
     if served_models and model not in served_models:
         raise ClientError(f"The model '{model}' does not exist; this gateway serves "
                           f"{', '.join(sorted(served_models))}", "model", status=404)
-    token_ids: list[int] | None = None
     if endpoint == "chat":
         _check_messages(body)
-    else:
+    elif token_ids is None:
         token_ids = _check_prompt(body)
     max_tokens = _bounded_int(body, "max_tokens", limits.max_tokens_limit)
     if endpoint == "chat":

@@ -29,11 +29,11 @@ import xxhash
 
 from router.arrival_order import NO_TURN, TurnLike
 from router.hashing import (
-    BlockChain,
     HashConfig,
     continue_keys,
     event_key,
     max_cacheable_blocks,
+    plain_chain_keys,
 )
 from router.index import IndexUnavailable, PrefixIndex
 from router.native import pack_ids
@@ -52,7 +52,7 @@ from router.vllm_rules import skips_prefix_cache
 class Tokenizer(Protocol):
     def request_tokens(self, body: dict[str, Any], endpoint: Any) -> list[int]: ...
 
-    def prompt_ids(self, token_ids: list[int], body: dict[str, Any]) -> list[int]: ...
+    def prompt_ids(self, token_ids: Sequence[int], body: dict[str, Any]) -> Sequence[int]: ...
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class KnownTokens:
     def request_tokens(self, body: dict[str, Any], endpoint: Any) -> list[int]:
         return list(self.tokens)
 
-    def prompt_ids(self, token_ids: list[int], body: dict[str, Any]) -> list[int]:
+    def prompt_ids(self, token_ids: Sequence[int], body: dict[str, Any]) -> Sequence[int]:
         return token_ids
 
 
@@ -130,7 +130,9 @@ class ChainCache:
         n = len(tokens) // size
         if n == 0:
             return []
-        ids = tokens if isinstance(tokens, list) else list(tokens)
+        # A list (a tokenizer's ids, checked ones from the request) or a memoryview of
+        # int64 (router.native.prompt_ids): both are hashed as they are, neither copied.
+        ids = tokens if isinstance(tokens, list | memoryview) else list(tokens)
         data = memoryview(pack_ids(ids, n * size))
         step = size * 8
         head = repr((config.algo, size, config.resolved_seed(), cache_salt)).encode()
@@ -160,8 +162,7 @@ class ChainCache:
         # A remembered prefix is continued from its last key: the history before it is
         # neither copied nor read (a growing conversation's every turn).
         if found is None:
-            added = BlockChain(config, cache_salt=cache_salt).extend(ids[: n * size],
-                                                                      checked=True)
+            added = plain_chain_keys(config, ids, n * size, cache_salt)
         else:
             added = continue_keys(config, found.digests[reused - 1], ids, reused * size,
                                   n * size)
@@ -211,7 +212,7 @@ class PreparedPrompt:
     gives the prompt with all of them."""
 
     num_tokens: int
-    tokens: tuple[int, ...] | None
+    tokens: Sequence[int] | None  # as the request gave them: a list or packed (not copied)
     keys: Mapping[HashConfig, tuple[int, ...]]
     seconds: float
     complete: bool = True
@@ -248,7 +249,7 @@ async def tokens_off_the_loop_when_long(tokenizer: Tokenizer | None, parsed: Par
                                         executor: Executor,
                                         segments: SharedSegments | None = None,
                                         turn: TurnLike = NO_TURN,
-                                        ) -> list[int] | None:
+                                        ) -> Sequence[int] | None:
     """prompt_tokens, with only the Rust tokenizer's encoding of long text it has not
     seen leaving the event loop.
 
@@ -298,7 +299,7 @@ async def tokens_off_the_loop_when_long(tokenizer: Tokenizer | None, parsed: Par
     return prompt_tokens(tokenizer, parsed)
 
 
-def key_prompt(tokens: list[int] | None, chains: ChainCache, groups: Iterable[HashConfig],
+def key_prompt(tokens: Sequence[int] | None, chains: ChainCache, groups: Iterable[HashConfig],
                cache_salt: str | None, started: float,
                probe: int | None = None) -> PreparedPrompt:
     """A prompt's ids keyed per hash group; `started` is when its preparation began.
@@ -310,11 +311,11 @@ def key_prompt(tokens: list[int] | None, chains: ChainCache, groups: Iterable[Ha
         for config in groups:
             keys[config] = tuple(chains.event_keys(config, tokens, cache_salt, probe))
             complete = complete and len(keys[config]) == len(tokens) // config.block_size
-    return PreparedPrompt(num_tokens=len(tokens or ()), tokens=tuple(tokens) if tokens else None,
+    return PreparedPrompt(num_tokens=len(tokens) if tokens else 0, tokens=tokens if tokens else None,
                           keys=keys, seconds=time.perf_counter() - started, complete=complete)
 
 
-def prompt_tokens(tokenizer: Tokenizer | None, parsed: ParsedRequest) -> list[int] | None:
+def prompt_tokens(tokenizer: Tokenizer | None, parsed: ParsedRequest) -> Sequence[int] | None:
     """The prompt's token ids as the replica will see them; None without a tokenizer for
     a prompt given as text. Raises router.request.ClientError for a body the replica
     would refuse too."""

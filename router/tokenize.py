@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 from router.chat_messages import developer_to_system, normalise_messages, normalise_tools
 from router.content_format import detect_content_format
@@ -172,7 +172,10 @@ def _token_ids(value: Any, param: str) -> list[int] | None:
     return list(value)
 
 
-def _truncate(ids: list[int], body: dict[str, Any], max_model_len: int) -> list[int]:
+_Ids = TypeVar("_Ids", bound=Sequence[int])  # a list, or a packed prompt's memoryview
+
+
+def _truncate(ids: _Ids, body: dict[str, Any], max_model_len: int) -> _Ids:
     """vLLM's truncate_prompt_tokens: keep the last k tokens (-1: the model's context)."""
     k = body.get("truncate_prompt_tokens")
     if k is None:
@@ -183,7 +186,7 @@ def _truncate(ids: list[int], body: dict[str, Any], max_model_len: int) -> list[
         )
     if k == -1:
         k = max_model_len
-    return ids[-k:] if k and len(ids) > k else ids
+    return cast(_Ids, ids[-k:]) if k and len(ids) > k else ids
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -500,7 +503,7 @@ class PromptTokenizer:
             out.append(_truncate(ids, body, self.max_model_len))
         return out
 
-    def prompt_ids(self, token_ids: list[int], body: dict[str, Any]) -> list[int]:
+    def prompt_ids(self, token_ids: Sequence[int], body: dict[str, Any]) -> Sequence[int]:
         """A token-id prompt the request edge already checked, as the replica sees it
         (truncate_prompt_tokens applied)."""
         _flag(body, "add_special_tokens", True)  # checked as for any completions body

@@ -49,7 +49,8 @@ def test_valid_requests() -> None:
         "chat", "tiny", True, 5, None)
     assert not p.client_wants_usage  # streamed without stream_options.include_usage
     p = parse({**COMPLETION, "prompt": [1, 2, 3]}, "completions")
-    assert (p.endpoint, p.stream, p.max_tokens, p.client_wants_usage, p.token_ids) == (
+    assert p.token_ids is not None
+    assert (p.endpoint, p.stream, p.max_tokens, p.client_wants_usage, list(p.token_ids)) == (
         "completions", False, None, True, [1, 2, 3])
     assert parse(COMPLETION, "completions").token_ids is None
     assert parse({**CHAT, "max_completion_tokens": 7, "max_tokens": 3}).max_tokens == 7
