@@ -4,12 +4,11 @@ A request's token ids are touched three times before it goes upstream: checked, 
 for the chain cache's fingerprints, and (where new) keyed block by block. A completions
 body's flat token-id prompt is read in C straight into packed int64 (prompt_ids), and
 from then on travels as a memoryview of those ids: no Python int per id is made on the
-way to the decision. In Python the
-keys cost a pickle.dumps, a hashlib object and a loop turn per block (about 1.5-3 us),
-the check a msgspec.convert over the list and the pack a struct.pack of it. router._keys
-does each in one C pass: it writes the exact bytes vLLM's pickle (or canonical CBOR)
-would for a block, and hashes them with OpenSSL's SHA-256 (benchmarks/bench_hash.py
-prints both paths side by side).
+way to the decision. In Python the keys cost a pickle.dumps, a hashlib object and a
+loop turn per block (about 1.5-3 us), the check a msgspec.convert over the list and the
+pack a struct.pack of it. router._keys does each in one C pass: it writes the exact
+bytes vLLM's pickle (or canonical CBOR) would for a block, and hashes them with
+OpenSSL's SHA-256 (benchmarks/bench_hash.py prints both paths side by side).
 
 The extension is built by `pip install` where a C compiler and OpenSSL's headers are
 present (setup.py marks it optional); without it every caller takes the Python path,
@@ -94,4 +93,3 @@ def pack_ids(ids: Sequence[int], count: int) -> bytes | memoryview:
         except ValueError:
             pass
     return struct.pack(f"<{count}q", *ids[:count])
-

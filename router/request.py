@@ -86,9 +86,10 @@ def decode_completion(raw: bytes) -> tuple[dict[str, Any], Sequence[int] | None]
     """A completions body, and its prompt's ids where C read them (router.native.
     prompt_ids: a flat array of plain non-negative integers, the common shape).
 
-    Decoding 8k ids as Python ints cost ~0.2 ms, most of a request's parse; read in C
-    they cost ~0.03 ms, and the rest of the body (the prompt's place held by null) is
-    decoded as usual. The body then carries the prompt as msgspec.Raw: the same JSON
+    Decoding 8k ids as Python ints cost ~0.2 ms here, most of a request's parse (and
+    the ids were checked, packed and copied again after); the C scan reads body and ids
+    in ~0.09 ms, and the rest of the body (the prompt's place held by null) is decoded
+    as usual. The body then carries the prompt as msgspec.Raw: the same JSON
     when re-encoded. Any other shape, or a body the generic decoder refuses, takes the
     generic path, so every error reads as before.
     """
