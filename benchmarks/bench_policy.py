@@ -11,7 +11,8 @@ little off its fleet's) and the policy's estimate for each, then the pick. Per-r
 the figure at 2 replicas is the fixed part. CPU time of this thread, median over
 --requests decisions, interleaved with --baseline-repo's (a git worktree of an earlier
 commit, run in a subprocess of its own) when given, each fleet size in turn, --rounds
-times: medians over rounds and their spread.
+times, the two checkouts taking turns at going first: medians over rounds, their spread,
+and the ratio of the medians.
 """
 
 from __future__ import annotations
@@ -111,21 +112,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline_repo is not None:
         repos["baseline"] = args.baseline_repo.resolve()
     results: dict[tuple[str, int], list[float]] = {}
+    order = list(repos.items())
     for _ in range(args.rounds):
         for size in sizes:
-            for name, repo in repos.items():  # each in a fresh process: no shared caches
+            # Each in a fresh process (no shared caches), and whoever went first goes
+            # last next time: on this machine a neighbour's burst or a frequency step
+            # would otherwise always land on the same checkout.
+            order.reverse()
+            for name, repo in order:
                 out = subprocess.run([sys.executable, __file__, "--one", str(repo), str(size),
                                       str(args.requests)], check=True, capture_output=True,
                                      text=True).stdout
                 results.setdefault((name, size), []).append(float(out))
     print(f"one routing decision, 4k-token prompt, CPU us (median of {args.requests}; "
           f"median over {args.rounds} rounds [min..max])")
-    print(f"{'replicas':>8} | " + " | ".join(f"{n:>26}" for n in repos))
+    ratio = len(repos) == 2
+    print(f"{'replicas':>8} | " + " | ".join(f"{n:>26}" for n in repos)
+          + (f" | {'this / baseline':>15}" if ratio else ""))
     for size in sizes:
         cells = []
         for name in repos:
             v = [x * 1e6 for x in results[(name, size)]]
             cells.append(f"{statistics.median(v):8.0f} [{min(v):.0f}..{max(v):.0f}]".rjust(26))
+        if ratio:
+            this, base = (statistics.median(results[(n, size)]) for n in repos)
+            cells.append(f"{this / base:15.2f}")
         print(f"{size:>8} | " + " | ".join(cells))
     return 0
 
