@@ -87,9 +87,9 @@ class _Entry:
     reading: float | None = None  # log(measured / predicted), learned once confirmed
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen, as router.policy.types.ReplicaState says why
 class WorkView:
-    """A frozen reading of a replica's outstanding work for one routing decision."""
+    """A reading of a replica's outstanding work for one routing decision (read-only)."""
 
     wait_s: float = 0.0  # predicted seconds of prefill queued ahead of a new request
     pending: int = 0  # requests sent that have not produced a first byte
@@ -225,7 +225,8 @@ class OutstandingWork:
             oldest = math.inf
             queued = 0.0
             for e in self._entries.values():
-                if _prefilling(e, now, bias):
+                # _prefilling, inlined: a call per entry per replica per decision.
+                if e.first_byte_at is None and (e.stream or now - e.sent_at <= bias * e.prefill_s):
                     pending += 1
                     queued += e.prefill_s
                     if e.sent_at < oldest:

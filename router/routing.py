@@ -448,7 +448,7 @@ def snapshot(replica: Replica, matched_blocks: int, now: float,
         running=running,
         waiting=waiting, kv_usage=replica.kv_usage, matched_blocks=matched_blocks,
         block_size=t.hash_config.block_size, profile=t.prefill,
-        models=frozenset(t.models) if t.models else None, ejected=replica.ejected(now),
+        models=t.models or None, ejected=replica.ejected(now),
         capacity=t.max_concurrency, queued_prefill_s=work.wait_s, pending=work.pending,
         decoding=work.decoding,
         external_running=external_running, external_waiting=external_waiting,
@@ -476,7 +476,8 @@ class Route:
     cache_salt: str | None
     # replica id -> cached tokens the INDEX predicts: what verification and the prediction
     # metrics compare with the replica's report (decision.predicted_cached also counts
-    # pending chains, a guess that must not doubt a replica's keys).
+    # pending chains, a guess that must not doubt a replica's keys). Replicas holding
+    # none of the prompt are left out: predicted_for reads them as 0.
     predicted: dict[str, int] = field(default_factory=dict)
     # The chain entered as pending on the chosen replica (router/pending.py), to drop if
     # the request does not end up served there.
@@ -667,11 +668,11 @@ class RoutingPipeline:
         ranked = [by_id[rid] for rid in decision.ranked if rid in by_id]
         if decision.replica_id in by_id and (not ranked or ranked[0].replica_id != decision.replica_id):
             ranked.insert(0, by_id[decision.replica_id])
+        # Only the replicas holding some of it: the rest read 0 (Route.predicted_for).
         predicted = {
-            r.replica_id: predicted_cached_tokens(lookup.matches.get(r.replica_id, 0),
-                                                  prompt.num_tokens,
-                                                  r.target.hash_config.block_size)
-            for r in replicas}
+            rid: predicted_cached_tokens(matched, prompt.num_tokens,
+                                         by_id[rid].target.hash_config.block_size)
+            for rid, matched in lookup.matches.items() if rid in by_id}
         route = Route(parsed=parsed, prompt=prompt, decision=decision, candidates=ranked,
                       matches=lookup.matches, lookup=lookup,
                       decision_seconds=time.perf_counter() - started, cache_salt=cache_salt,
