@@ -2,7 +2,11 @@
 
 It keeps the same contract as RedisIndex, step for step: its bisecting lookup is the
 Redis script's (lookup_bisect.lua), 0-based, and tests/router/test_index.py runs one
-suite against both.
+suite against both. One step differs: a replica holding entries that expire (chains the
+gateway recorded, for a replica without KV events) is bisected here too where its
+entries cannot have left an expired hole (see MemoryIndex._put), where the script walks
+every such replica block by block: one process with one clock and one TTL can tell,
+while the script's writers are several gateways, with their own clocks and settings.
 """
 
 from __future__ import annotations
@@ -55,8 +59,12 @@ class MemoryIndex:
         # block), least recently touched first
         self._lru: dict[tuple[str, str], OrderedDict[int, int | None]] = {}
         self._models: dict[str, set[str]] = {}
-        # (model, replica) pairs that may hold entries that expire: looked up by the walk.
+        # (model, replica) pairs that hold entries that expire, and those of them whose
+        # expired entries may have left a hole (looked up by the walk; see _put).
         self._expiring: set[tuple[str, str]] = set()
+        self._irregular: set[tuple[str, str]] = set()
+        # pair -> (the TTL of its expiring writes, the clock at the last one)
+        self._ttls: dict[tuple[str, str], tuple[float, float]] = {}
         # Holes, counted exactly so that the bisection verifies only where one exists:
         # per (model, replica), how many held blocks name each key as parent, and how
         # many held blocks have a parent the replica does not hold ("orphans"). With no
@@ -73,6 +81,11 @@ class MemoryIndex:
     def blocks(self) -> int:
         """(model, replica, key) entries held: what capacity_blocks bounds per replica."""
         return sum(len(lru) for lru in self._lru.values())
+
+    def bisects(self, model: str, replica: str) -> bool:
+        """Whether lookups bisect the replica's run (False: walked block by block, for
+        entries that expire and may have left a hole; see _put)."""
+        return (model, replica) not in self._irregular
 
     def holes(self, model: str, replica: str) -> int:
         """Blocks the replica holds after a parent it does not (0: every run is whole)."""
@@ -120,7 +133,7 @@ class MemoryIndex:
                 continue
             if n == 1:
                 counts[r] = 1
-            elif (model, r) in self._expiring:
+            elif (model, r) in self._irregular:
                 run = 1
                 while run < n and held(r, run):
                     run += 1
@@ -157,9 +170,7 @@ class MemoryIndex:
             return
         self._forget(pair, lru, self._holders.get(model, {}), keys)
         if not lru:
-            self._expiring.discard(pair)
-            self._kids.pop(pair, None)
-            self._orphans.pop(pair, None)
+            self._forget_pair(pair)
 
     async def record(
         self,
@@ -177,12 +188,18 @@ class MemoryIndex:
     async def clear_replica(self, replica: str) -> None:
         """Forget everything the replica holds, under every model scope."""
         for model in self._models.pop(replica, set()):
-            self._expiring.discard((model, replica))
-            self._kids.pop((model, replica), None)
-            self._orphans.pop((model, replica), None)
+            self._forget_pair((model, replica))
             holders = self._holders.get(model, {})
             for key in self._lru.pop((model, replica), OrderedDict()):
                 self._drop(holders, key, replica)
+
+    def _forget_pair(self, pair: tuple[str, str]) -> None:
+        """Drop a pair's bookkeeping beside its entries (it holds none now)."""
+        self._expiring.discard(pair)
+        self._irregular.discard(pair)
+        self._ttls.pop(pair, None)
+        self._kids.pop(pair, None)
+        self._orphans.pop(pair, None)
 
     async def apply(self, replica: str, ops: Sequence[IndexOp], *,
                     position: StreamPosition | None = None) -> None:
@@ -228,6 +245,8 @@ class MemoryIndex:
         `verify`: that index could not vouch for prefix closure (its hole flag), so
         every lookup of the replica here checks its run block by block until a clear."""
         pair = (model, replica)
+        if pair in self._expiring:
+            self._irregular.add(pair)  # entries that never expire among ones that do
         holders = self._holders.setdefault(model, {})
         lru = self._lru.setdefault(pair, OrderedDict())
         self._kids.setdefault(pair, {})
@@ -284,9 +303,25 @@ class MemoryIndex:
         now = self._clock()
         holders = self._holders.setdefault(model, {})
         expiry = math.inf if ttl_s is None else now + ttl_s
-        if ttl_s is not None:
-            self._expiring.add(pair)
         lru = self._lru.setdefault(pair, OrderedDict())
+        # Whether the pair's live entries still form runs from block 0, expiry aside. A
+        # write sets one expiry on all its blocks. Where every write with one is a whole
+        # chain from its first block (as the gateway records what it sent), with one TTL
+        # and a clock that does not go back, a block is written whenever any block after
+        # it in its chain is, at the same time or later: it expires no sooner than they
+        # do, the live blocks of a chain are a run from block 0, and the lookup may
+        # bisect. Anything else (a chain recorded from a later block, a run stored under
+        # a parent, another TTL, the clock going back, entries that never expire among
+        # ones that do) may leave an expired block before a live one: walked from then on.
+        if ttl_s is not None:
+            last = self._ttls.get(pair)
+            if parent is not None or lru.get(keys[0]) is not None or (
+                    (ttl_s != last[0] or now < last[1]) if last is not None else bool(lru)):
+                self._irregular.add(pair)
+            self._expiring.add(pair)
+            self._ttls[pair] = (ttl_s, now)
+        elif pair in self._expiring:
+            self._irregular.add(pair)
         kids = self._kids.setdefault(pair, {})
         self._models.setdefault(replica, set()).add(model)
         orphans = self._orphans.get(pair, 0)
