@@ -1,14 +1,16 @@
 """What one routing decision costs the gateway as the fleet grows.
 
     .venv/bin/python benchmarks/bench_policy.py [--replicas 2,8,32,128] [--requests 400]
-        [--baseline-repo DIR]
+        [--holders 1] [--baseline-repo DIR]
 
 The whole of RoutingPipeline.route for a 4k-token token-id prompt (a conversation's next
-turn: its earlier 3.75k tokens held by one replica, 256 new), in this process against a
-memory index: keying, the lookup, the pending chains, every replica's outstanding work
-(each has some in flight, half of it past its first token, and a learned TTFT bias a
-little off its fleet's) and the policy's estimate for each, then the pick. Per-replica work grows with the fleet; the rest does not, so
-the figure at 2 replicas is the fixed part. CPU time of this thread, median over
+turn: its earlier 3.75k tokens held by one replica, or by --holders of them, 256 new), in
+this process against a memory index: keying, the lookup, the pending chains, every
+replica's outstanding work (each has some in flight, half of it past its first token,
+and a learned TTFT bias a little off its fleet's) and the policy's estimate for each,
+then the pick. The held tokens are recorded as the gateway records what it sent to a
+replica without KV events (entries that expire). Per-replica work grows with the fleet;
+the rest does not, so the figure at 2 replicas is the fixed part. CPU time of this thread, median over
 --requests decisions, interleaved with --baseline-repo's (a git worktree of an earlier
 commit, run in a subprocess of its own) when given, each fleet size in turn, --rounds
 times, the two checkouts taking turns at going first: medians over rounds, their spread,
@@ -31,8 +33,9 @@ REPO = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 16
 
 
-def measure(repo: Path, replicas: int, requests: int) -> float:
-    """Median CPU seconds of one decision in a fleet of `replicas`, run from `repo`."""
+def measure(repo: Path, replicas: int, requests: int, holders: int = 1) -> float:
+    """Median CPU seconds of one decision in a fleet of `replicas`, run from `repo`;
+    the conversation's earlier tokens are held by the first `holders` of them."""
     sys.path.insert(0, str(repo))
     from router.config import LimitsConfig, TenantsConfig
     from router.hashing import HashConfig
@@ -70,7 +73,8 @@ def measure(repo: Path, replicas: int, requests: int) -> float:
     rng = random.Random(replicas)
     history = [rng.randrange(10, 30000) for _ in range(3840)]
     keys = ChainCache().event_keys(config, history, None)
-    asyncio.run(index.record("m", fleet[0].replica_id, keys, 3600.0))
+    for r in fleet[:max(1, holders)]:
+        asyncio.run(index.record("m", r.replica_id, keys, 3600.0))
 
     async def decide_all() -> list[float]:
         times = []
@@ -98,11 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline-repo", type=Path)
-    parser.add_argument("--one", nargs=3, metavar=("REPO", "REPLICAS", "REQUESTS"),
+    parser.add_argument("--holders", type=int, default=1,
+                        help="replicas holding the conversation's earlier tokens (capped at "
+                             "the fleet's size): a prefix every replica holds, such as a "
+                             "shared system prompt, is looked up on each of them")
+    parser.add_argument("--one", nargs=4, metavar=("REPO", "REPLICAS", "REQUESTS", "HOLDERS"),
                         help=argparse.SUPPRESS)  # a subprocess's measurement
     args = parser.parse_args(argv)
     if args.one:
-        print(measure(Path(args.one[0]), int(args.one[1]), int(args.one[2])))
+        print(measure(Path(args.one[0]), int(args.one[1]), int(args.one[2]), int(args.one[3])))
         return 0
     try:
         sizes = [int(s) for s in args.replicas.split(",")]
@@ -121,11 +129,13 @@ def main(argv: list[str] | None = None) -> int:
             order.reverse()
             for name, repo in order:
                 out = subprocess.run([sys.executable, __file__, "--one", str(repo), str(size),
-                                      str(args.requests)], check=True, capture_output=True,
+                                      str(args.requests), str(args.holders)], check=True,
+                                     capture_output=True,
                                      text=True).stdout
                 results.setdefault((name, size), []).append(float(out))
-    print(f"one routing decision, 4k-token prompt, CPU us (median of {args.requests}; "
-          f"median over {args.rounds} rounds [min..max])")
+    print(f"one routing decision, 4k-token prompt, its first 3.75k tokens recorded on "
+          f"{args.holders} replica(s), CPU us (median of {args.requests}; median over "
+          f"{args.rounds} rounds [min..max])")
     ratio = len(repos) == 2
     print(f"{'replicas':>8} | " + " | ".join(f"{n:>26}" for n in repos)
           + (f" | {'this / baseline':>15}" if ratio else ""))
