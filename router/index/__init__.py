@@ -49,6 +49,9 @@ chains from block 0 trimmed tail-first. Where it can fail, the writers leave a f
 
 - TTL flag: a write with a TTL (`record`, or events with `event_ttl_s`). An entry can
   expire mid-run while later ones live, so the replica is walked, one block at a time.
+  MemoryIndex walks only where that can happen: with one clock and one TTL, whole
+  chains recorded from block 0 expire tail first, so such a replica is bisected until
+  some other write with a TTL arrives (MemoryIndex._put says which).
 - Hole flag: a `remove` (a block removed while a descendant is held leaves a hole: vLLM
   never does this, but the index cannot tell), or an add whose `IndexOp.parent` the
   replica does not hold (a KV-event batch was lost or came before the subscription). The
