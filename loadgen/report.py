@@ -68,6 +68,31 @@ def _pct(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+# The stages of our gateway's Server-Timing header before its request goes upstream
+# (router/completions.py Stages.server_timing).
+_BEFORE_UPSTREAM = ("parse", "route", "admit")
+
+
+def before_upstream_s(server_timing: str | None) -> float | None:
+    """Seconds our gateway spent on a request before sending it upstream (Server-Timing's
+    parse + route + admit), or None without those stages (a peer, or no header)."""
+    if not server_timing:
+        return None
+    durations: dict[str, float] = {}
+    for metric in server_timing.split(","):
+        name, _, params = metric.strip().partition(";")
+        for param in params.split(";"):
+            key, _, value = param.strip().partition("=")
+            if key == "dur":
+                try:
+                    durations[name] = float(value) / 1000.0
+                except ValueError:
+                    return None
+    if not all(stage in durations for stage in _BEFORE_UPSTREAM):
+        return None
+    return sum(durations[stage] for stage in _BEFORE_UPSTREAM)
+
+
 def summarize(run: PolicyRun, time_scale: float = 1.0) -> dict[str, Any]:
     """The table row of one policy: latency percentiles, throughput, hits, balance."""
     done = run.result.completed()
@@ -113,6 +138,12 @@ def summarize(run: PolicyRun, time_scale: float = 1.0) -> dict[str, Any]:
     # What the router, its hops and the client add to a first token: the client's mean
     # TTFT over the replicas' own (same requests: counted only where the replicas timed
     # as many as the client did). The client's share is the same under every router.
+    handler = [t * time_scale for r in done if (t := before_upstream_s(r.server_timing))
+               is not None]
+    # Of that, what our gateway itself spent before going upstream (its own clock): the
+    # rest is the hops, the replica's HTTP side and the client.
+    row["before_upstream_mean_s"] = float(np.mean(handler)) if handler and \
+        len(handler) == len(done) else None
     row["replica_ttft_mean_s"] = row["ttft_outside_mean_s"] = None
     if run.replica_ttft is not None and run.replica_ttft[0] == len(ttft) and ttft:
         at_replicas = run.replica_ttft[1] / run.replica_ttft[0] * time_scale
@@ -200,13 +231,19 @@ def outside_lines(aggregated: Sequence[dict[str, Any]]) -> list[str]:
         outside = a.get("ttft_outside_mean_s")
         mean = a.get("ttft_mean_s")
         if outside and mean:
+            before = a.get("before_upstream_mean_s")
+            own = "" if not before else (
+                f"; {_ms(before['median'])} ms ({_ms(before['min'])}-{_ms(before['max'])}) "
+                "of it in the gateway before going upstream")
             out.append(f"  - {a['policy']}: {_ms(outside['median'])} ms "
                        f"({_ms(outside['min'])}-{_ms(outside['max'])}) of a "
-                       f"{_ms(mean['median'])} ms mean")
+                       f"{_ms(mean['median'])} ms mean{own}")
     if out:
         out.insert(0, "- TTFT outside the replicas: the client's mean minus the replicas' "
                       "own (their histograms, arrival to first token): the router, its "
-                      "hops and the client, whose share is the same for every router")
+                      "hops and the client, whose share is the same for every router; "
+                      "for our gateway, its Server-Timing's parse + route + admit says "
+                      "how much of it the gateway spent before sending the request on")
     return out
 
 

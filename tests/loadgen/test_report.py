@@ -9,7 +9,8 @@ import pytest
 
 from loadgen.driver import RequestRecord, RunResult
 from loadgen.oracle import OracleRequest, bounds
-from loadgen.report import PolicyRun, markdown_table, summarize, write_report
+from loadgen.report import PolicyRun, markdown_table, outside_lines, summarize, write_report
+from loadgen.rounds import aggregate
 
 
 def _rec(i: int, replica: str | None, sent: float, ttft: float, e2e: float, prompt: int,
@@ -73,6 +74,24 @@ def test_what_a_first_token_spends_outside_the_replicas() -> None:
     for timed in [(5, 0.030), None]:
         row = summarize(PolicyRun("x", _run(), ["r0", "r1"], replica_ttft=timed))
         assert row["ttft_outside_mean_s"] is None and row["replica_ttft_mean_s"] is None
+
+
+def test_what_our_gateway_spent_before_going_upstream() -> None:
+    # Its Server-Timing header: parse + route + admit, in ms; upstream is not counted.
+    run = _run()
+    for i, r in enumerate(run.completed()):
+        r.server_timing = (f"parse;dur=0.10, route;dur={0.5 + i:.2f}, admit;dur=0.40, "
+                           "upstream;dur=30.00")
+    row = summarize(PolicyRun("cache_aware", run, ["r0", "r1"], replica_ttft=(4, 0.030)))
+    assert row["before_upstream_mean_s"] == pytest.approx(0.0025)  # 1.0 + mean(0, 1, 2, 3)
+    line = next(x for x in outside_lines(aggregate([row])) if "cache_aware" in x)
+    assert line.endswith("; 2.5 ms (2.5-2.5) of it in the gateway before going upstream")
+    # A peer (no header), a header without those stages, or a malformed one: no figure.
+    for header in [None, "upstream;dur=30.00", "parse;dur=x, route;dur=1, admit;dur=1"]:
+        run.completed()[0].server_timing = header
+        row = summarize(PolicyRun("x", run, ["r0", "r1"], replica_ttft=(4, 0.030)))
+        assert row["before_upstream_mean_s"] is None
+        assert not any("before going upstream" in x for x in outside_lines(aggregate([row])))
 
 
 def test_report_files(tmp_path: Path) -> None:
