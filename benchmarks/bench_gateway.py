@@ -76,6 +76,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from loadgen.driver import server_timing_stages  # noqa: E402
 from replica.fleet import SimFleet  # noqa: E402
 from replica.processes import (  # noqa: E402
     children,
@@ -407,11 +408,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, path: str, raw: 
             await resp.read()
         timing = resp.headers.get("Server-Timing", "")
     end = first if first is not None else time.perf_counter()
-    stages = {}
-    for part in filter(None, timing.split(",")):
-        name, _, dur = part.strip().partition(";dur=")
-        stages[name] = float(dur) / 1000
-    return end - started, stages
+    return end - started, server_timing_stages(timing)
 
 
 async def added_latency(targets: list[tuple[str, str]], scenarios: list[Scenario], rounds: int,

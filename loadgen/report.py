@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.driver import RequestRecord, RunResult
+from loadgen.driver import RequestRecord, RunResult, server_timing_stages
 from loadgen.floor import TtftFloor
 from loadgen.oracle import OracleBounds
 from loadgen.rounds import aggregate, ratios_against_peers
@@ -78,16 +78,10 @@ def before_upstream_s(server_timing: str | None) -> float | None:
     parse + route + admit), or None without those stages (a peer, or no header)."""
     if not server_timing:
         return None
-    durations: dict[str, float] = {}
-    for metric in server_timing.split(","):
-        name, _, params = metric.strip().partition(";")
-        for param in params.split(";"):
-            key, _, value = param.strip().partition("=")
-            if key == "dur":
-                try:
-                    durations[name] = float(value) / 1000.0
-                except ValueError:
-                    return None
+    try:
+        durations = server_timing_stages(server_timing)
+    except ValueError:
+        return None
     if not all(stage in durations for stage in _BEFORE_UPSTREAM):
         return None
     return sum(durations[stage] for stage in _BEFORE_UPSTREAM)

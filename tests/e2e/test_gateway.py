@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 
 from loadgen import compare
+from loadgen.driver import server_timing_stages
 from loadgen.harness import MODEL_NAME
 from loadgen.workload_flags import build_workload
 from replica.fleet import AsyncSimFleet, free_port
@@ -125,11 +126,7 @@ async def test_shared_system_prompt_spreads_while_each_user_keeps_its_replica(
 
 def server_timing(header: str) -> dict[str, float]:
     """`parse;dur=0.51, route;dur=0.67` -> {"parse": 0.51, "route": 0.67} (ms)."""
-    stages = {}
-    for part in header.split(","):
-        name, _, dur = part.strip().partition(";dur=")
-        stages[name] = float(dur)
-    return stages
+    return {name: s * 1000 for name, s in server_timing_stages(header).items()}
 
 
 async def test_server_timing_says_where_the_gateways_time_went(start_gateway: Any) -> None:
