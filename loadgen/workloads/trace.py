@@ -99,7 +99,9 @@ class TraceWorkload(IndependentWorkload):
         self.start = start
         self.skipped = 0
         origin: int | None = None
+        records = 0
         for n, record in enumerate(read_trace(path)):
+            records = n + 1
             if n < start:
                 continue
             if origin is None:
@@ -120,6 +122,12 @@ class TraceWorkload(IndependentWorkload):
                 prompt_token_ids=expand_hash_ids(record.hash_ids, record.input_length),
                 max_tokens=max(out, 1),
             ))
+        if not self._requests:
+            # A window past the trace's end (or of prompts all too long) would run zero
+            # requests and report empty tables as if it had measured something.
+            where = (f"starts past its end (it has {records} records)" if start >= records
+                     else f"has no prompt of at most {max_input_tokens} tokens")
+            raise ValueError(f"trace {str(path)!r} from record {start} {where}")
 
     def describe(self) -> dict[str, object]:
         return {

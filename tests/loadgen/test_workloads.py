@@ -220,6 +220,11 @@ def test_trace_workload_start_replays_a_later_window(tmp_path: Path) -> None:
     assert w.describe()["start"] == 1
     with pytest.raises(ValueError, match="start"):
         TraceWorkload(path, start=-1)
+    # A window with nothing to replay is refused, not run as zero requests.
+    with pytest.raises(ValueError, match=r"from record 4 starts past its end \(it has 4 records\)"):
+        TraceWorkload(path, start=4)
+    with pytest.raises(ValueError, match="from record 1 has no prompt of at most 50 tokens"):
+        TraceWorkload(path, start=1, max_input_tokens=50)
 
 
 def test_the_vendored_mooncake_trace_reads() -> None:
