@@ -40,6 +40,40 @@ def chat_lexicon(args: argparse.Namespace) -> Lexicon:
     return WORD_PER_ID
 
 
+def _trace_file(text: str) -> Path:
+    """--trace: a file that exists (else argparse names the flag, before any fleet starts)."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no such trace file: {text!r}")
+    return path
+
+
+def _start(text: str) -> int:
+    """--trace-start: a record count, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _rates(text: str) -> list[float]:
+    """--rates: comma-separated positive request rates."""
+    rates = []
+    for item in text.split(","):
+        try:
+            rate = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"want comma-separated numbers (req/s), got {item!r} in {text!r}") from None
+        if not rate > 0:
+            raise argparse.ArgumentTypeError(f"rates must be above 0, got {item!r} in {text!r}")
+        rates.append(rate)
+    return rates
+
+
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """Workload flags shared by compare and demo (unused ones are ignored per workload)."""
     w = parser.add_argument_group("workload")
@@ -61,12 +95,13 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--tools", type=int, default=24, help="agent tool definitions")
     w.add_argument("--tool-tokens", type=int, default=180, help="tokens per agent tool")
     w.add_argument("--layout", choices=AGENT_LAYOUTS, default="stable", help="agent layout")
-    w.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace")
-    w.add_argument("--trace-start", type=int, default=0,
+    w.add_argument("--trace", type=_trace_file, default=DEFAULT_TRACE,
+                   help="Mooncake JSONL trace")
+    w.add_argument("--trace-start", type=_start, default=0,
                    help="trace: skip this many records first (replay a later window)")
     w.add_argument("--groups", type=int, default=150)
     w.add_argument("--users", type=int, default=5)
-    w.add_argument("--rates", default="5",
+    w.add_argument("--rates", type=_rates, default=[5.0],
                    help="groups: comma-separated Poisson rates (req/s), stepped up")
     w.add_argument("--stage-seconds", type=float, default=60.0)
     w.add_argument("--num-prefixes", type=int, default=10)
@@ -108,7 +143,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
             prefix_tokens=pick(args.shared_prefix_tokens, 6000),
             question_tokens=pick(args.question_tokens, 1200),
             output_tokens=pick(args.answer_tokens, 1000), requests=pick(args.requests, 200),
-            rates=[float(r) for r in args.rates.split(",")], stage_seconds=args.stage_seconds,
+            rates=args.rates, stage_seconds=args.stage_seconds,
             seed=seed, chat_text=chat, lexicon=lexicon)
     if args.workload == "prefix-repetition":
         return PrefixRepetitionWorkload(

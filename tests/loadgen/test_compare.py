@@ -283,6 +283,29 @@ def test_workload_flags_pick_per_workload_defaults() -> None:
     assert described["requests"] == 20
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--rates", "2,x"], "argument --rates: want comma-separated numbers (req/s), got 'x'"),
+    (["--rates", "2,0"], "argument --rates: rates must be above 0, got '0'"),
+    (["--trace", "/nonexistent/t.jsonl"],
+     "argument --trace: no such trace file: '/nonexistent/t.jsonl'"),
+    (["--trace-start", "-3"], "argument --trace-start: must be 0 or more, got -3"),
+    (["--trace-start", "x"], "argument --trace-start: not a whole number: 'x'"),
+])
+def test_bad_workload_flags_are_named_before_anything_starts(
+        flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _args("--out", "x", *flags)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_groups_rates_are_stepped_up_in_order() -> None:
+    groups = build_workload(_args("--out", "x", "--workload", "groups", "--requests", "40",
+                                  "--groups", "2", "--users", "2", "--rates", "2,6.5",
+                                  "--stage-seconds", "1"))
+    assert groups.describe()["rates"] == [2.0, 6.5]
+
+
 def test_demo_runs_the_agent_workload_under_three_policies() -> None:
     from loadgen import demo
 
