@@ -33,6 +33,7 @@ import httpx
 import numpy as np
 
 from replica.profiles import SimCostProfile
+from router.cli.arg_types import int_list
 
 DEFAULT_LENGTHS = (64, 256, 512, 1024, 2048)
 
@@ -46,16 +47,32 @@ class Sample:
     decode_gap: float | None
 
 
+def _lengths(text: str) -> list[int]:
+    """--lengths: prompt lengths in tokens, each at least 1."""
+    lengths = int_list(text)
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"want prompt lengths of at least 1 token, got {text!r}")
+    return lengths
+
+
+def _token_range(text: str) -> tuple[int, int]:
+    """--token-range LO,HI: token ids are drawn from [LO, HI)."""
+    bounds = int_list(text)
+    if len(bounds) != 2 or not 0 <= bounds[0] < bounds[1]:
+        raise argparse.ArgumentTypeError(f"want LO,HI with 0 <= LO < HI, got {text!r}")
+    return bounds[0], bounds[1]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="the replica, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="served model name (default: /v1/models)")
     parser.add_argument("--out", default=None, help="write the fitted profile here (JSON)")
     parser.add_argument("--name", default="calibrated")
-    parser.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)),
+    parser.add_argument("--lengths", type=_lengths, default=list(DEFAULT_LENGTHS),
                         help="comma-separated prompt lengths in tokens")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=8)
-    parser.add_argument("--token-range", default="100,1000",
+    parser.add_argument("--token-range", type=_token_range, default="100,1000",
                         help="prompt token ids are drawn from [lo, hi) (keep inside the vocab)")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -132,23 +149,32 @@ def _served_model(client: httpx.Client, url: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Measure, fit, print and (with --out) write the profile."""
-    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    lo, hi = (int(x) for x in args.token_range.split(","))
+    lengths: list[int] = args.lengths
+    lo, hi = args.token_range
     rng = random.Random(args.seed)
     url = args.url.rstrip("/")
     samples: list[Sample] = []
-    with httpx.Client(timeout=args.timeout) as client:
-        model = args.model or _served_model(client, url)
-        measure(client, url, model, [rng.randrange(lo, hi) for _ in range(16)], 2)  # warm-up
-        for _ in range(args.repeats):
-            for length in lengths:
-                prompt = [rng.randrange(lo, hi) for _ in range(length)]
-                sample = measure(client, url, model, prompt, args.decode_tokens)
-                samples.append(sample)
-                print(f"prompt {length:6d} tokens: ttft {sample.ttft * 1000:8.2f} ms", file=sys.stderr)
+    try:
+        with httpx.Client(timeout=args.timeout) as client:
+            model = args.model or _served_model(client, url)
+            measure(client, url, model, [rng.randrange(lo, hi) for _ in range(16)], 2)  # warm-up
+            for _ in range(args.repeats):
+                for length in lengths:
+                    prompt = [rng.randrange(lo, hi) for _ in range(length)]
+                    sample = measure(client, url, model, prompt, args.decode_tokens)
+                    samples.append(sample)
+                    print(f"prompt {length:6d} tokens: ttft {sample.ttft * 1000:8.2f} ms",
+                          file=sys.stderr)
+    except httpx.HTTPError as exc:
+        print(f"replica calibrate: {url}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     profile = fit_profile(samples, args.name)
     text = profile.to_json()
     print(text)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        try:
+            Path(args.out).write_text(text + "\n")
+        except OSError as exc:
+            print(f"replica calibrate: cannot write {args.out!r}: {exc}", file=sys.stderr)
+            return 1
     return 0

@@ -21,6 +21,7 @@ from pathlib import Path
 from replica.engine import EngineConfig
 from replica.profiles import DEFAULT_PROFILE, load_profile
 from replica.server import SimReplica, SimSettings, serve
+from router.cli.arg_types import tcp_port
 from router.hashing import HASH_ALGOS, HashConfig
 
 DEFAULT_NUM_BLOCKS = 8193  # 131,072 tokens at block size 16
@@ -28,7 +29,7 @@ DEFAULT_NUM_BLOCKS = 8193  # 131,072 tokens at block size 16
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The sim's flags (names follow vLLM's where vLLM has one)."""
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=tcp_port, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--block-size", type=int, default=16)
     cap = parser.add_mutually_exclusive_group()
@@ -93,10 +94,18 @@ def _max_chars_per_token(model_dir: Path) -> int | None:
 def build_settings(args: argparse.Namespace) -> tuple[SimSettings, object | None]:
     """Validated settings and the tokenizer (None without --model); raises ValueError."""
     block = args.block_size
+    if block < 1:
+        raise ValueError(f"--block-size must be a positive integer, got {block}")
     if args.kv_tokens is not None:
+        if args.kv_tokens < block:
+            raise ValueError(f"--kv-tokens must hold at least one block of {block} tokens, "
+                             f"got {args.kv_tokens}")
         num_blocks = args.kv_tokens // block + 1
     else:
-        num_blocks = args.num_blocks or DEFAULT_NUM_BLOCKS
+        num_blocks = DEFAULT_NUM_BLOCKS if args.num_blocks is None else args.num_blocks
+        if num_blocks < 2:
+            raise ValueError(f"--num-blocks must be at least 2 (block 0 is vLLM's null "
+                             f"block), got {num_blocks}")
     seed = args.seed if args.seed is not None else os.environ.get("PYTHONHASHSEED")
     if seed is None and args.hash_algo.startswith("xxhash"):
         # vLLM seeds xxhash keys with fresh random bytes per process; so does the sim.
@@ -156,5 +165,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"replica sim: {exc}", file=sys.stderr)
         return 2
-    died = asyncio.run(_main(settings, tokenizer, args.host, args.port))
+    try:
+        died = asyncio.run(_main(settings, tokenizer, args.host, args.port))
+    except OSError as exc:  # the address is taken, or not this host's
+        print(f"replica sim: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
     return 1 if died else 0

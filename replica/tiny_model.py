@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -298,6 +299,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = build_tiny_model(args.out, seed=args.seed)
+    try:
+        out = build_tiny_model(args.out, seed=args.seed)
+    except OSError as exc:
+        print(f"replica tiny-model: cannot write the model to {str(args.out)!r}: {exc}",
+              file=sys.stderr)
+        return 1
     print(out)
     return 0

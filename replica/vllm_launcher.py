@@ -36,6 +36,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from router.cli.arg_types import tcp_port
 from router.hashing import HASH_ALGOS
 
 SEED_ENV = "PYTHONHASHSEED"
@@ -265,7 +266,7 @@ def format_command(argv: list[str], env: dict[str, str]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory or Hugging Face id")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=tcp_port, default=8000)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256")

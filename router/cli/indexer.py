@@ -31,6 +31,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from router.cli.arg_types import tcp_port
 from router.events import DEFAULT_REPLAY_TIMEOUT_S, ReplicaFeed, lead_while_holding
 from router.index import (
     DEFAULT_LEASE_TTL_S,
@@ -105,21 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-ttl", type=float, default=DEFAULT_LEASE_TTL_S,
                         metavar="SECONDS", help="how long a lease lasts unrenewed: a standby "
                         f"takes over within about this long (default {DEFAULT_LEASE_TTL_S})")
-    parser.add_argument("--health-port", type=_port, metavar="PORT",
+    parser.add_argument("--health-port", type=tcp_port, metavar="PORT",
                         help="serve GET /healthz on this port (200 healthy, 503 wedged)")
     parser.add_argument("--health-host", default="127.0.0.1", metavar="HOST",
                         help="address the health endpoint binds (default 127.0.0.1)")
     parser.add_argument("--log-level", default="INFO")
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = 0
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1-65535)")
-    return port
 
 
 async def _with_health(args: argparse.Namespace, health: IndexerHealth,
