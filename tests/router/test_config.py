@@ -82,6 +82,34 @@ def test_example_file_exercises_every_section(tmp_path: Path) -> None:
     assert config.served_models() == {"tiny"}
 
 
+def _flag(command: str, name: str) -> str:
+    words = command.split()
+    return words[words.index(name) + 1]
+
+
+def test_the_readmes_running_it_commands_fit_the_example_file() -> None:
+    # README.md's "Running it" starts a sim and serves examples/gateway.yaml: each flag
+    # and variable there must be what the example expects, or the commands fail as shown.
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Running it"):text.index("`examples/gateway.yaml` shows")]
+    commands = " ".join(line.strip().rstrip("\\") for line in section.splitlines())
+    sim = commands[commands.index("python -m replica sim"):]
+    exported = commands[commands.index("export "):].split("python -m router serve")[0]
+    env = {name: "s" * 32 if value.startswith("$(") else value  # $(openssl rand -hex 16)
+           for name, _, value in (pair.partition("=") for pair in exported.split()[1:])
+           if value}
+    tiny = _flag(commands, "--out")
+    config = load_config(str(EXAMPLE), env, [])
+    (replica,) = config.replicas
+    assert config.models["tiny"].tokenizer == tiny == _flag(sim, "--model")
+    assert replica.url == f"http://127.0.0.1:{_flag(sim, '--port')}"
+    assert replica.hash.block_size == int(_flag(sim, "--block-size"))
+    assert (replica.kv_events, replica.kv_replay) == (_flag(sim, "--kv-events"),
+                                                      _flag(sim, "--kv-replay"))
+    assert config.served_models() == {_flag(sim, "--served-model-name")}
+    assert f"localhost:{config.listen.port}/v1/completions" in commands
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
