@@ -180,6 +180,7 @@ def _parse(model: ModelSurface, body: dict[str, Any], chat: bool) -> ParsedReque
     for i, ids in enumerate(prompts):
         max_tokens = rules.capped_max_tokens(model.max_model_len, requested, len(ids))
         rules.check_sampling(body, max_tokens)
+        rules.check_logprobs(body, chat, model.vocab_size)
         if not ids:
             raise rules.validation_error("The decoder prompt cannot be empty")
         if model.tokenizer is not None and max(ids) >= model.vocab_size:

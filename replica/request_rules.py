@@ -17,6 +17,8 @@ and param here, and one vLLM serves is served with the same max_tokens:
 5. SamplingParams._verify_args (vllm/sampling_params.py): penalties, temperature, top_p,
    top_k, min_p, then max_tokens >= 1 (so a prompt of exactly max_model_len tokens is
    refused here, with max_tokens 0): `check_sampling`.
+6. SamplingParams._validate_logprobs, in the engine's input processor: sample and prompt
+   logprobs at most --max-logprobs (20): `check_logprobs`.
 
 Messages are vLLM's create_error_response text: a VLLMValidationError's str() appends
 " (parameter=..., value=...)" when it names them, and a pydantic error is wrapped in
@@ -178,6 +180,26 @@ def _float(body: dict[str, Any], name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RequestRejected(f"{name} must be a number, got {value!r}", name)
     return float(value)
+
+
+# vLLM's --max-logprobs default (ModelConfig.max_logprobs); the sim has no flag for it.
+MAX_LOGPROBS = 20
+
+
+def check_logprobs(body: dict[str, Any], chat: bool, vocab_size: int) -> None:
+    """SamplingParams._validate_logprobs (run by the engine's input processor, after
+    _verify_args): sample and prompt logprobs at most MAX_LOGPROBS, -1 meaning the whole
+    vocabulary. A chat's top_logprobs is its sample logprobs, when logprobs is true."""
+    sample = body.get("top_logprobs") if chat and body.get("logprobs") else \
+        None if chat else body.get("logprobs")
+    for kind, value, param in (("sample", sample, "logprobs"),
+                               ("prompt", body.get("prompt_logprobs"), "prompt_logprobs")):
+        if not isinstance(value, int) or isinstance(value, bool) or not value:
+            continue
+        wanted = vocab_size if value == -1 else value
+        if wanted > MAX_LOGPROBS:
+            raise validation_error(f"Requested {kind} logprobs of {wanted}, which is greater "
+                                   f"than max allowed: {MAX_LOGPROBS}", param, wanted)
 
 
 def check_sampling(body: dict[str, Any], max_tokens: int) -> None:

@@ -213,6 +213,13 @@ def test_non_finite_integers_fail_validation_as_pydantic_words_it(make_fleet: Fl
      "prompt_logprobs"),
     ({"prompt": [1, 2], "logprobs": -2},
      "`logprobs` must be a positive value or -1. (parameter=logprobs, value=-2)", "logprobs"),
+    # vLLM's --max-logprobs (20), checked after the sampling parameters; -1 is the vocabulary.
+    ({"prompt": [1, 2], "logprobs": 100}, "Requested sample logprobs of 100, which is greater "
+     "than max allowed: 20 (parameter=logprobs, value=100)", "logprobs"),
+    ({"prompt": [1, 2], "prompt_logprobs": 21}, "Requested prompt logprobs of 21, which is "
+     "greater than max allowed: 20 (parameter=prompt_logprobs, value=21)", "prompt_logprobs"),
+    ({"prompt": [1, 2], "logprobs": 21, "temperature": 3}, "temperature must be in [0, 2], "
+     "got 3.0. (parameter=temperature, value=3.0)", "temperature"),
 ])
 def test_request_validators_word_errors_as_vllm(make_fleet: Fleet, body: dict[str, Any],
                                                 message: str, param: str) -> None:
