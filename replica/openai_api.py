@@ -151,6 +151,7 @@ def _parse(model: ModelSurface, body: dict[str, Any], chat: bool) -> ParsedReque
     # 1. What building vLLM's request object refuses: its validators, then pydantic's types.
     rules.check_request_fields(body, chat)
     rules.non_finite_int_errors(body, chat)
+    rules.string_field_errors(body)
     salt = rules.validate_cache_salt(body.get("cache_salt"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):

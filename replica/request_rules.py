@@ -5,9 +5,10 @@ and param here, and one vLLM serves is served with the same max_tokens:
 
 1. The request model's "before" validators (vllm/entrypoints/openai/*/protocol.py):
    cache_salt, stream_options, an empty completion prompt, prompt_logprobs with
-   streaming: `check_request_fields`. Then pydantic: an integer field holding NaN or
-   +-Infinity (Python's JSON reader accepts them) fails validation ("Input should be a
-   finite number"): `non_finite_int_errors`.
+   streaming, a chat's tool_choice without tools: `check_request_fields`. Then pydantic:
+   an integer field holding NaN or +-Infinity (Python's JSON reader accepts them) fails
+   validation ("Input should be a finite number"): `non_finite_int_errors`; `user` that
+   is not a string: `string_field_errors`.
 2. TokenizeParams.__post_init__ (vllm/renderers/params.py), before tokenization: a
    requested max_tokens larger than max_model_len is refused: `check_max_output_tokens`.
 3. TokenizeParams._text_len_check, then _token_len_check: a prompt longer than
@@ -108,6 +109,60 @@ def check_request_fields(body: dict[str, Any], chat: bool) -> None:
     if chat and top is not None and (top == -1 or top > 0) and not body.get("logprobs"):
         raise validation_error("when using `top_logprobs`, `logprobs` must be set to true.",
                                "top_logprobs")
+    if chat:
+        check_tool_usage(body)
+
+
+_TOOL_CHOICE_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+
+
+def check_tool_usage(body: dict[str, Any]) -> None:
+    """ChatCompletionRequest.check_tool_usage and check_generation_prompt, in vLLM's words."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools == []:
+        raise validation_error("`tools` must not be an empty array. Either provide at least "
+                               "one tool or omit the field entirely.", "tools")
+    if choice is not None and choice != "none":
+        if tools is None:
+            raise validation_error("When using `tool_choice`, `tools` must be set.",
+                                   "tool_choice")
+        if choice not in ("auto", "required") and not isinstance(choice, dict):
+            raise validation_error(f"Invalid value for `tool_choice`: {choice}! Only named "
+                                   'tools, "none", "auto" or "required" are supported.',
+                                   "tool_choice")
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            if not isinstance(function, dict):
+                raise validation_error(f"Invalid value for `function`: `{function}` in "
+                                       f"`tool_choice`! {_TOOL_CHOICE_USAGE}",
+                                       "tool_choice.function")
+            if "name" not in function:
+                raise validation_error("Expected field `name` in `function` in `tool_choice`! "
+                                       f"{_TOOL_CHOICE_USAGE}", "tool_choice.function.name")
+            name = function["name"]
+            if not isinstance(name, str) or not name:
+                raise validation_error(f"Invalid `name` in `function`: `{name}` in "
+                                       f"`tool_choice`! {_TOOL_CHOICE_USAGE}",
+                                       "tool_choice.function.name")
+            names = [tool.get("function", {}).get("name") for tool in tools
+                     if isinstance(tool, dict) and isinstance(tool.get("function"), dict)]
+            if name not in names:
+                raise validation_error("The tool specified in `tool_choice` does not match "
+                                       "any of the specified `tools`", "tool_choice")
+    if body.get("continue_final_message") and body.get("add_generation_prompt"):
+        raise validation_error("Cannot set both `continue_final_message` and "
+                               "`add_generation_prompt` to True.")
+
+
+def string_field_errors(body: dict[str, Any]) -> None:
+    """`user` must be a string or null, as pydantic checks it (no coercion from numbers)."""
+    value = body.get("user")
+    if value is None or isinstance(value, str):
+        return
+    raise RequestRejected(
+        "1 validation error:\n  {'type': 'string_type', 'loc': 'body.user', "
+        f"'msg': 'Input should be a valid string', 'input': '{value}'}}", "body.user",
+        err_type="Bad Request")
 
 
 def _is_non_finite(value: object) -> bool:

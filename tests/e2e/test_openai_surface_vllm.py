@@ -156,7 +156,8 @@ async def test_long_chat_is_capped_refusals_match_and_small_endpoints_pass_throu
     for params in ({"messages": messages, "max_tokens": 9000},
                    {"messages": _chat("x " * 9000), "max_tokens": 5},
                    {"messages": _chat("hi"), "max_tokens": 2, "logprobs": True,
-                    "top_logprobs": 30}):  # above vLLM's --max-logprobs (20)
+                    "top_logprobs": 30},  # above vLLM's --max-logprobs (20)
+                   {"messages": _chat("hi"), "max_tokens": 2, "tool_choice": "required"}):
         errors = []
         for client in (via, direct):
             with pytest.raises(openai.BadRequestError) as caught:

