@@ -160,13 +160,15 @@ def _parse(model: ModelSurface, body: dict[str, Any], chat: bool) -> ParsedReque
     if not isinstance(opts, dict):
         raise ApiError("stream_options must be an object", param="stream_options")
     n = _int_field(body, "n")
-    if n is not None and n != 1:
+    if n is not None and n > 1:
         raise ApiError("the simulated replica supports only n=1", param="n")
     xargs = body.get("vllm_xargs") or {}
     if not isinstance(xargs, dict):
         raise ApiError("vllm_xargs must be an object", param="vllm_xargs")
     # 2. The serving layer: model, then the renderer's output bound and prompt lengths.
     check_model(model, body)
+    if not chat:
+        rules.check_suffix(body)
     requested, param = rules.requested_max_tokens(body, chat)
     _int_field(body, param)
     rules.check_max_output_tokens(requested, param, model.max_model_len)
@@ -182,6 +184,7 @@ def _parse(model: ModelSurface, body: dict[str, Any], chat: bool) -> ParsedReque
         max_tokens = rules.capped_max_tokens(model.max_model_len, requested, len(ids))
         rules.check_sampling(body, max_tokens)
         rules.check_logprobs(body, chat, model.vocab_size)
+        rules.check_token_ids_in_vocab(body, model.vocab_size)
         if not ids:
             raise rules.validation_error("The decoder prompt cannot be empty")
         if model.tokenizer is not None and max(ids) >= model.vocab_size:

