@@ -15,7 +15,7 @@ from servers import RedisServer, free_port
 from test_events import KvPublisher
 from test_indexer_cli import MODEL, start_indexer, stop_indexer
 
-from router.cli.indexer import _port
+from router.cli.arg_types import tcp_port
 from router.events import EventIndexer, ReplicaFeed
 from router.index import MemoryIndex
 from router.indexer_health import IndexerHealth, serving_health
@@ -100,4 +100,4 @@ async def test_a_stream_that_stopped_applying_events_is_unhealthy(
 
 def test_health_port_must_be_a_port() -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="'70000' is not a TCP port"):
-        _port("70000")
+        tcp_port("70000")
