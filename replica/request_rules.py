@@ -249,8 +249,10 @@ def check_logprobs(body: dict[str, Any], chat: bool, vocab_size: int) -> None:
     """SamplingParams._validate_logprobs (run by the engine's input processor, after
     _verify_args): sample and prompt logprobs at most MAX_LOGPROBS, -1 meaning the whole
     vocabulary. A chat's top_logprobs is its sample logprobs, when logprobs is true."""
-    sample = body.get("top_logprobs") if chat and body.get("logprobs") else \
-        None if chat else body.get("logprobs")
+    if chat:
+        sample = body.get("top_logprobs") if body.get("logprobs") else None
+    else:
+        sample = body.get("logprobs")
     for kind, value, param in (("sample", sample, "logprobs"),
                                ("prompt", body.get("prompt_logprobs"), "prompt_logprobs")):
         if not isinstance(value, int) or isinstance(value, bool) or not value:
