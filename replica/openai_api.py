@@ -9,7 +9,6 @@ and usage as vLLM's serving code does, batch quirks included.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,6 +16,9 @@ from typing import Any
 
 from replica import request_rules as rules
 from replica.engine import EngineDead, EngineRequest, RequestRejected, RequestResult
+from router import lax_fields
+from router.client_error import ClientError
+from router.lax_fields import Endpoint
 
 
 class ApiError(Exception):
@@ -75,26 +77,12 @@ def check_model(model: ModelSurface, body: dict[str, Any]) -> None:
         raise ApiError(f"The model `{name}` does not exist.", status=404, param="model")
 
 
-def _int_field(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(f"{name} must be an integer, got {json.dumps(value)}", param=name)
-    return value
-
-
-def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x)
-
-
 def _prompts_without_tokenizer(body: dict[str, Any]) -> list[list[int]]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and _is_ids(prompt):
+    prompt = lax_fields.prompt(body.get("prompt"))  # as vLLM reads it: [1.0, 2] is ids
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         return [list(prompt)]
-    if isinstance(prompt, list) and prompt and all(_is_ids(p) for p in prompt):
-        return [list(p) for p in prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) and p for p in prompt):
+        return [list(p) for p in prompt]  # type: ignore[arg-type]
     raise ApiError("this simulated replica was started without --model: prompt must be a "
                    "list of token ids or a list of such lists", param="prompt")
 
@@ -153,13 +141,20 @@ def _parse(model: ModelSurface, body: dict[str, Any], chat: bool) -> ParsedReque
     rules.non_finite_int_errors(body, chat)
     rules.string_field_errors(body)
     salt = rules.validate_cache_salt(body.get("cache_salt"))
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError("stream must be a boolean", param="stream")
+    kind: Endpoint = "chat" if chat else "completions"
+    try:  # the fields pydantic reads leniently for vLLM ("3", 3.0, "true"), read alike
+        lax_fields.check(body, kind)
+    except ClientError as exc:
+        raise ApiError(exc.message, param=exc.param) from None
+    stream = bool(lax_fields.field(body, "stream", kind))
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise ApiError("stream_options must be an object", param="stream_options")
-    n = _int_field(body, "n")
+    try:
+        include_usage = lax_fields.stream_option(opts, "include_usage")
+    except ClientError as exc:
+        raise ApiError(exc.message, param=exc.param) from None
+    n = lax_fields.field(body, "n", kind)
     if n is not None and n > 1:
         raise ApiError("the simulated replica supports only n=1", param="n")
     xargs = body.get("vllm_xargs") or {}
@@ -170,7 +165,6 @@ def _parse(model: ModelSurface, body: dict[str, Any], chat: bool) -> ParsedReque
     if not chat:
         rules.check_suffix(body)
     requested, param = rules.requested_max_tokens(body, chat)
-    _int_field(body, param)
     rules.check_max_output_tokens(requested, param, model.max_model_len)
     prompts, text_chars = prompt_token_lists(model, body, chat)
     for ids, chars in zip(prompts, text_chars, strict=True):
@@ -194,8 +188,8 @@ def _parse(model: ModelSurface, body: dict[str, Any], chat: bool) -> ParsedReque
         requests.append(EngineRequest(
             f"{rid}-{i}", ids, max_tokens, cache_salt=salt, skip_prefix_cache=skip_cache,
             report_cached_blocks=xargs.get("kv_cache_report_mode") == "full"))
-    return ParsedRequest(rid, requests, chat, stream, bool(opts.get("include_usage", False)),
-                         body.get("return_token_ids") is True)
+    return ParsedRequest(rid, requests, chat, stream, include_usage,
+                         bool(lax_fields.field(body, "return_token_ids", kind)))
 
 
 def usage(results: list[RequestResult], cached_tokens: int) -> dict[str, Any]:

@@ -36,6 +36,8 @@ import math
 from typing import Any
 
 from replica.engine import RequestRejected
+from router import lax_fields
+from router.client_error import ClientError
 
 # One copy of the rules that raise nothing, shared with the gateway (re-exported).
 from router.vllm_rules import COMPLETION_DEFAULT_MAX_TOKENS as COMPLETION_DEFAULT_MAX_TOKENS
@@ -233,12 +235,11 @@ def capped_max_tokens(max_model_len: int, requested: int | None, prompt_len: int
 
 
 def _float(body: dict[str, Any], name: str) -> float:
-    value = body.get(name)
-    if value is None:
-        return _SAMPLING_DEFAULTS[name]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RequestRejected(f"{name} must be a number, got {value!r}", name)
-    return float(value)
+    try:
+        value = lax_fields.number(body, name)  # as pydantic reads it for vLLM: "0.5" too
+    except ClientError as exc:
+        raise RequestRejected(exc.message, name) from None
+    return _SAMPLING_DEFAULTS[name] if value is None else value
 
 
 # vLLM's --max-logprobs default (ModelConfig.max_logprobs); the sim has no flag for it.

@@ -42,7 +42,8 @@ _MESSAGE = {
 }
 
 _COMMON = {
-    "model": {"type": "string"},
+    "model": {"type": "string", "description": "Optional where the gateway serves one model "
+                                               "(as vLLM serves its own)."},
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {
         "include_usage": {"type": "boolean"}, "continuous_usage_stats": {"type": "boolean"}}},
@@ -61,7 +62,7 @@ _COMMON = {
 
 _CHAT_REQUEST = {
     "type": "object",
-    "required": ["model", "messages"],
+    "required": ["messages"],
     "properties": {**_COMMON,
                    "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
                    "max_completion_tokens": {"type": "integer", "minimum": 1},
@@ -73,7 +74,7 @@ _CHAT_REQUEST = {
 
 _COMPLETION_REQUEST = {
     "type": "object",
-    "required": ["model", "prompt"],
+    "required": ["prompt"],
     "properties": {**_COMMON,
                    "prompt": {"oneOf": [
                        {"type": "string"},

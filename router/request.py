@@ -18,35 +18,15 @@ from typing import Annotated, Any
 
 import msgspec
 
+from router import lax_fields
+from router.client_error import ClientError as ClientError
+from router.client_error import error_payload as error_payload
 from router.config import LimitsConfig
+from router.lax_fields import Endpoint
 from router.native import checked_ids, prompt_ids
 from router.tenants import ClientSaltError, Tenant, TenantRegistry
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-
-
-class ClientError(Exception):
-    """A mistake in the client's request: an OpenAI-style 4xx error naming the bad param."""
-
-    def __init__(self, message: str, param: str | None = None, *, status: int = 400,
-                 type: str = "invalid_request_error",
-                 headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.type = type
-        self.headers = dict(headers or {})
-
-    def payload(self) -> dict[str, Any]:
-        """The JSON body clients get."""
-        return error_payload(self.message, self.type, param=self.param, code=self.status)
-
-
-def error_payload(message: str, err_type: str, *, param: str | None = None,
-                  code: int | None = None) -> dict[str, Any]:
-    """OpenAI's error object; `code` is the HTTP status, as vLLM sends it."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 @dataclass(frozen=True)
@@ -144,12 +124,10 @@ def validate_body(body: dict[str, Any], raw: bytes, endpoint: str, *,
                   token_ids: Sequence[int] | None = None) -> ParsedRequest:
     """Validate a decoded body for `endpoint` ("chat" | "completions"); `token_ids`: the
     prompt's ids where decode_completion read them already."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise ClientError("'model' is required and must be a string", "model")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ClientError("'stream' must be a boolean", "stream")
+    kind: Endpoint = "chat" if endpoint == "chat" else "completions"
+    model = _model(body, served_models)
+    lax_fields.check(body, kind)
+    stream = bool(lax_fields.field(body, "stream", kind))  # vLLM reads null as False
     if served_models and model not in served_models:
         raise ClientError(f"The model '{model}' does not exist; this gateway serves "
                           f"{', '.join(sorted(served_models))}", "model", status=404)
@@ -157,15 +135,16 @@ def validate_body(body: dict[str, Any], raw: bytes, endpoint: str, *,
         _check_messages(body)
     elif token_ids is None:
         token_ids = _check_prompt(body)
-    max_tokens = _bounded_int(body, "max_tokens", limits.max_tokens_limit)
+    max_tokens = _bounded_int(body, "max_tokens", limits.max_tokens_limit, kind)
     if endpoint == "chat":
         # vLLM's chat request: max_completion_tokens wins over the deprecated max_tokens.
-        completion_tokens = _bounded_int(body, "max_completion_tokens", limits.max_tokens_limit)
+        completion_tokens = _bounded_int(body, "max_completion_tokens",
+                                         limits.max_tokens_limit, kind)
         max_tokens = completion_tokens if completion_tokens is not None else max_tokens
-    _bounded_int(body, "n", limits.max_n)
+    _bounded_int(body, "n", limits.max_n, kind)
     salt = _cache_salt(body, tenant, registry)
-    options = body.get("stream_options")
-    wants_usage = not stream or (isinstance(options, dict) and options.get("include_usage") is True)
+    wants_usage = not stream or lax_fields.stream_option(body.get("stream_options"),
+                                                         "include_usage")
     return ParsedRequest(endpoint=endpoint, body=body, model=model, stream=stream,
                          client_wants_usage=wants_usage, max_tokens=max_tokens, cache_salt=salt,
                          raw=raw, token_ids=token_ids)
@@ -179,16 +158,24 @@ def _type_name(value: object) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _model(body: Mapping[str, Any], served_models: Collection[str]) -> str:
+    """The model asked for. vLLM serves a body without one (or with null) as its own
+    model, so a gateway serving one model does too; with several it must be named."""
+    model = body.get("model")
+    if model is None and len(served_models) == 1:
+        return next(iter(served_models))
+    if model is None:
+        served = f": this gateway serves {', '.join(sorted(served_models))}" if served_models else ""
+        raise ClientError(f"'model' is required{served}", "model")
+    if not isinstance(model, str) or not model:
+        raise ClientError(f"'model' must be a non-empty string, got {_type_name(model)}", "model")
+    return model
 
 
-def _bounded_int(body: Mapping[str, Any], param: str, limit: int) -> int | None:
-    value = body.get(param)
+def _bounded_int(body: Mapping[str, Any], param: str, limit: int, kind: Endpoint) -> int | None:
+    value = lax_fields.field(body, param, kind) if param in body else None
     if value is None:
         return None
-    if not _is_int(value):
-        raise ClientError(f"'{param}' must be an integer, got {_type_name(value)}", param)
     if value < 1:
         raise ClientError(f"'{param}' must be at least 1, got {value}", param)
     if value > limit:
@@ -241,6 +228,16 @@ def _check_prompt(body: Mapping[str, Any]) -> list[int] | None:
             return msgspec.convert(prompt, list[_TokenIds])[0]
         except msgspec.ValidationError:
             pass
+        # What only pydantic's lax reading takes, as vLLM does: ids written 1.0 or "7".
+        read = lax_fields.prompt(prompt)
+        if isinstance(read, list) and read and not isinstance(read[0], str):
+            first = read[0] if isinstance(read[0], list) else read
+            try:
+                return msgspec.convert(first, _TokenIds)
+            except msgspec.ValidationError:
+                pass  # beyond int64: no token of any vocabulary
+        elif read is not None:
+            return None
     raise ClientError("'prompt' must be a string or an array of token ids (non-negative "
                       "integers), or a batch: a non-empty array of either", "prompt")
 
@@ -275,7 +272,8 @@ def upstream_payload(parsed: ParsedRequest, want_token_ids: bool) -> tuple[bytes
         # The actual cached tokens ride in the usage chunk.
         extra["stream_options"] = {**(options if isinstance(options, dict) else {}),
                                    "include_usage": True}
-    strip = want_token_ids and not body.get("return_token_ids")
+    kind: Endpoint = "chat" if parsed.endpoint == "chat" else "completions"
+    strip = want_token_ids and not lax_fields.field(body, "return_token_ids", kind)
     if strip:
         extra["return_token_ids"] = True
     if not extra:

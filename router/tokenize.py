@@ -38,13 +38,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, TypeVar, cast
 
+from router import lax_fields
 from router.chat_messages import developer_to_system, normalise_messages, normalise_tools
 from router.content_format import detect_content_format
+from router.lax_fields import Endpoint as Endpoint
 from router.request import ClientError
-
-Endpoint = Literal["chat", "completions"]
 
 _MAX_POSITION_KEYS = (
     "max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
@@ -160,42 +160,22 @@ class SegmentCache:
 
 
 
-def _token_ids(value: Any, param: str) -> list[int] | None:
-    """`value` as a token-id list, None if it is not a list of ints at all."""
-    if not isinstance(value, list) or not value:
-        return None
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return None
-    for t in value:
-        if t < 0:
-            raise ClientError(f"{param} holds a negative token id {t}", param)
-    return list(value)
-
-
 _Ids = TypeVar("_Ids", bound=Sequence[int])  # a list, or a packed prompt's memoryview
 
 
-def _truncate(ids: _Ids, body: dict[str, Any], max_model_len: int) -> _Ids:
+def _truncate(ids: _Ids, body: dict[str, Any], max_model_len: int, endpoint: Endpoint) -> _Ids:
     """vLLM's truncate_prompt_tokens: keep the last k tokens (-1: the model's context)."""
-    k = body.get("truncate_prompt_tokens")
+    k = lax_fields.field(body, "truncate_prompt_tokens", endpoint)
     if k is None:
         return ids
-    if not isinstance(k, int) or isinstance(k, bool) or k < -1:
-        raise ClientError(
-            f"truncate_prompt_tokens must be an integer >= -1, got {k!r}", "truncate_prompt_tokens"
-        )
     if k == -1:
         k = max_model_len
     return cast(_Ids, ids[-k:]) if k and len(ids) > k else ids
 
 
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ClientError(f"{name} must be a boolean, got {value!r}", name)
-    return value
+def _flag(body: dict[str, Any], name: str, endpoint: Endpoint) -> bool:
+    """A boolean field as vLLM reads it (its default where absent)."""
+    return bool(lax_fields.field(body, name, endpoint))
 
 
 def _read_max_model_len(model_dir: Path) -> int:
@@ -372,8 +352,8 @@ class PromptTokenizer:
         conversation = normalise_messages(
             body.get("messages"), content_format=self.content_format_for(template)
         )
-        add_generation_prompt = _flag(body, "add_generation_prompt", True)
-        continue_final = _flag(body, "continue_final_message", False)
+        add_generation_prompt = _flag(body, "add_generation_prompt", "chat")
+        continue_final = _flag(body, "continue_final_message", "chat")
         if add_generation_prompt and continue_final:
             # add_generation_prompt defaults to True, so a client continuing the final
             # message must turn it off; vLLM rejects the pair whether or not it is explicit.
@@ -428,14 +408,14 @@ class PromptTokenizer:
     def chat_text(self, body: dict[str, Any]) -> tuple[str, bool]:
         """The first half of chat_tokens: the rendered prompt, and whether vLLM adds
         special tokens to it. Jinja in Python: it holds the GIL throughout."""
-        return self.render_chat(body), _flag(body, "add_special_tokens", False)
+        return self.render_chat(body), _flag(body, "add_special_tokens", "chat")
 
     def chat_ids(self, text: str, add_special_tokens: bool, body: dict[str, Any]) -> list[int]:
         """The second half: the rendered prompt's ids, truncated as vLLM truncates. The
         encoding runs in the Rust tokenizer, which releases the GIL."""
         ids = (self.encode(text, add_special_tokens=True) if add_special_tokens
                else self.encode_cached(text))
-        return _truncate(ids, body, self.max_model_len)
+        return _truncate(ids, body, self.max_model_len, "chat")
 
     def uncached_chars(self, text: str, add_special_tokens: bool = False) -> int:
         """How much of `text` chat_ids would encode afresh: the segments the cache does
@@ -474,40 +454,34 @@ class PromptTokenizer:
         if not isinstance(body, dict):
             raise ClientError("request body must be a JSON object")
         prompt = body.get("prompt")
-        add_special = _flag(body, "add_special_tokens", True)
-        prompts: list[Any]
-        if isinstance(prompt, str) or _token_ids(prompt, "prompt") is not None:
-            prompts = [prompt]
-        elif isinstance(prompt, list) and prompt:
-            prompts = prompt
-        else:
+        add_special = _flag(body, "add_special_tokens", "completions")
+        read = lax_fields.prompt(prompt)  # as vLLM reads it: [1.0, 2] is ids, ["1"] text
+        if read is None or read == []:
             raise ClientError(
-                "prompt must be a string, a list of token ids, or a non-empty list of those; "
+                "prompt must be a string, a list of token ids (non-negative integers), or a "
+                "non-empty list of either; "
                 f"got {json.dumps(prompt)[:80]}",
                 "prompt",
             )
+        prompts: list[Any] = [read] if isinstance(read, str) or isinstance(read[0], int) \
+            else list(read)
         out = []
         for i, item in enumerate(prompts):
             where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             if isinstance(item, str):
                 ids = self.encode(item, add_special_tokens=add_special)
+            elif not item:
+                raise ClientError(f"{where} must not be an empty list of token ids", "prompt")
             else:
-                token_ids = _token_ids(item, where)
-                if token_ids is None:
-                    raise ClientError(
-                        f"{where} must be a string or a non-empty list of integer token ids, "
-                        f"got {json.dumps(item)[:80]}",
-                        "prompt",
-                    )
-                ids = token_ids
-            out.append(_truncate(ids, body, self.max_model_len))
+                ids = item
+            out.append(_truncate(ids, body, self.max_model_len, "completions"))
         return out
 
     def prompt_ids(self, token_ids: Sequence[int], body: dict[str, Any]) -> Sequence[int]:
         """A token-id prompt the request edge already checked, as the replica sees it
         (truncate_prompt_tokens applied)."""
-        _flag(body, "add_special_tokens", True)  # checked as for any completions body
-        return _truncate(token_ids, body, self.max_model_len)
+        _flag(body, "add_special_tokens", "completions")  # checked as for any completions body
+        return _truncate(token_ids, body, self.max_model_len, "completions")
 
     def completion_tokens(self, body: dict[str, Any]) -> list[int]:
         """Prompt token ids of a completions body (the first prompt of a batch)."""

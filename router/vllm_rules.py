@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from router.lax_fields import field
 from router.request import ClientError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest.max_tokens default
@@ -45,9 +46,9 @@ def requested_max_tokens(body: Mapping[str, Any], chat: bool) -> tuple[int | Non
     """
     if chat:
         if body.get("max_completion_tokens") is not None:
-            return body["max_completion_tokens"], "max_completion_tokens"
-        return body.get("max_tokens"), "max_tokens"
-    value = body.get("max_tokens")
+            return field(body, "max_completion_tokens", "chat"), "max_completion_tokens"
+        return field(body, "max_tokens", "chat"), "max_tokens"
+    value = field(body, "max_tokens", "completions")
     return (COMPLETION_DEFAULT_MAX_TOKENS if value is None else value), "max_tokens"
 
 
@@ -90,6 +91,6 @@ def skips_prefix_cache(body: Mapping[str, Any], chat: bool) -> bool:
     """
     if body.get("prompt_logprobs") is not None:
         return True
-    if body.get("echo") is not True:
+    if not field(body, "echo", "chat" if chat else "completions"):
         return False
     return chat or body.get("logprobs") is not None

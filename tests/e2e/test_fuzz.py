@@ -200,8 +200,9 @@ BAD_INPUTS: list[tuple[str, bytes, int, str]] = [
     ("not an object", b"[1, 2, 3]", 400, "object"),
     ("invalid UTF-8", b'{"model": "sim", "prompt": "\xff\xfe"}', 400, "UTF-8"),
     ("wrong type", _j(_completion(max_tokens="ten")), 400, "max_tokens"),
-    ("wrong type: stream", _j(_completion(stream="yes")), 400, "stream"),
-    ("missing model", _j({"prompt": [1, 2]}), 400, "model"),
+    # pydantic's lax mode (vLLM's reading) takes "yes" for true, but nothing takes "maybe".
+    ("wrong type: stream", _j(_completion(stream="maybe")), 400, "stream"),
+    ("model not a string", _j({"model": 5, "prompt": [1, 2]}), 400, "model"),
     ("unknown model", _j({**_completion(), "model": "gpt-17"}), 404, "model"),
     ("absurd max_tokens", _j(_completion(max_tokens=10**12)), 400, "max_tokens"),
     ("negative max_tokens", _j(_completion(max_tokens=-1)), 400, "max_tokens"),

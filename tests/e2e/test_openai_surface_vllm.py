@@ -11,6 +11,7 @@ straight to vLLM (unsalted): neither can hit the other's blocks, both report 0 c
 from __future__ import annotations
 
 import copy
+import json
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -179,3 +180,63 @@ async def test_long_chat_is_capped_refusals_match_and_small_endpoints_pass_throu
         assert seen[0] == seen[1] and seen[0][0] == 200, (path, seen)
     listed = [comparable(m) for m in (await via.models.list()).data]
     assert listed == [comparable(m) for m in (await direct.models.list()).data]
+
+
+async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                ) -> tuple[int, Any, dict[str, str]]:
+    """Status, JSON body (or a stream's data events, parsed), and headers of one POST."""
+    auth = {"Authorization": "Bearer sk-alpha"}
+    async with http.post(url, json=body, headers=auth) as r:
+        text = await r.text()
+        if r.content_type == "text/event-stream":
+            events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+            return r.status, [e if e == "[DONE]" else comparable(json.loads(e))
+                              for e in events], dict(r.headers)
+        return r.status, comparable(json.loads(text)), dict(r.headers)
+
+
+async def test_values_vllm_reads_leniently_are_served_and_keyed_as_vllm_does(
+        surface: tuple[GatewayClient, str, openai.AsyncOpenAI, openai.AsyncOpenAI],
+        http: aiohttp.ClientSession) -> None:
+    # vLLM's pydantic models read "4", 4.0, true, "yes" and ids written 1.0 in lax mode and
+    # serve them; the gateway refused them with a 400 of its own until it read them alike.
+    gw, vllm_url, _, _ = surface
+    text = f"[{RUN}] lenient values " * 4
+    probes: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": "4",
+                             "temperature": "0", "n": "1", "echo": "false"}),
+        ("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 4.0,
+                             "temperature": 0, "stream": "false"}),
+        ("/v1/completions", {"prompt": text, "max_tokens": 3, "temperature": 0}),  # no model
+        ("/v1/completions", {"model": MODEL, "prompt": [7.0, "8", True, 9], "max_tokens": 3,
+                             "temperature": 0, "truncate_prompt_tokens": "3"}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": _chat("lenient"),
+                                  "max_completion_tokens": "3", "temperature": 0,
+                                  "add_generation_prompt": "true"}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": _chat("lenient stream"),
+                                  "max_tokens": True, "temperature": 0, "stream": "yes",
+                                  "stream_options": {"include_usage": "on"}}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": _chat("x"), "max_tokens": 3.5}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": _chat("x"), "stream": "maybe"}),
+    ]
+    for path, body in probes:
+        (status, via, _), (direct_status, direct, _) = [
+            await _post(http, base + path, body) for base in (gw.url, vllm_url)]
+        assert status == direct_status, (body, via, direct)
+        if status == 200 and isinstance(via, list):  # a stream, chunked alike or not
+            assert via[-1] == direct[-1] == "[DONE]", body
+            assert _merged(via[:-1]) == _merged(direct[:-1]), body
+        elif status == 200:
+            assert via == direct, body
+        else:
+            assert status == 400 and via["error"]["param"] in body, (body, via)
+    # A prompt of ids written as floats is keyed as the ints vLLM reads: the gateway
+    # predicts the second request's cached tokens exactly as vLLM then reports them.
+    ids = [100 + (i * 37 + int(RUN, 16)) % 900 for i in range(100)]
+    body = {"model": MODEL, "prompt": [float(t) for t in ids], "max_tokens": 2,
+            "temperature": 0}
+    await _post(http, gw.url + "/v1/completions", body)
+    status, answer, headers = await _post(http, gw.url + "/v1/completions", body)
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert status == 200 and cached == 96  # three full blocks of 32 out of 100 tokens
+    assert int(headers["x-cacheroute-predicted-cached-tokens"]) == cached

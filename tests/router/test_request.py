@@ -59,6 +59,34 @@ def test_valid_requests() -> None:
     assert wants.client_wants_usage
 
 
+def test_values_vllm_reads_leniently_are_served_as_it_reads_them() -> None:
+    # vLLM's pydantic models read these in lax mode and serve them: so does the gateway,
+    # reading the same values (tests/router/test_lax_fields.py holds it to vLLM's models).
+    p = parse({**CHAT, "stream": "true", "max_tokens": "5", "n": 2.0})
+    assert (p.stream, p.max_tokens, p.client_wants_usage) == (True, 5, False)
+    p = parse({**CHAT, "stream": 1, "stream_options": {"include_usage": "yes"}})
+    assert (p.stream, p.client_wants_usage) == (True, True)
+    assert parse({**CHAT, "max_completion_tokens": 7.0, "max_tokens": True}).max_tokens == 7
+    assert parse({**CHAT, "stream": None}).stream is False
+    assert parse({**COMPLETION, "max_tokens": " 9 "}, "completions").max_tokens == 9
+    for written in ([1.0, 2, "3"], [True, 2, 3], [[1.0, 2, 3], [4]]):
+        ids = parse({**COMPLETION, "prompt": written}, "completions").token_ids
+        assert ids is not None and [int(t) for t in ids] == [1, 2, 3]
+    texts = parse({**COMPLETION, "prompt": ["1", "2"]}, "completions")  # text, as for vLLM
+    assert texts.token_ids is None
+
+
+def test_a_body_without_a_model_is_served_as_the_one_model_there_is() -> None:
+    assert parse({"messages": CHAT["messages"]}).model == "tiny"
+    assert parse({**COMPLETION, "model": None}, "completions").model == "tiny"
+    with pytest.raises(ClientError) as info:
+        parse_request(json.dumps({"messages": CHAT["messages"]}).encode(), "chat",
+                      served_models={"tiny", "big"}, limits=LimitsConfig(), tenant=ANONYMOUS,
+                      registry=REGISTRY)
+    assert (info.value.param, info.value.message) == (
+        "model", "'model' is required: this gateway serves big, tiny")
+
+
 @pytest.mark.parametrize(("raw", "message"), [
     (b"\xff\xfe{}", "request body is not valid JSON: invalid character (byte 0)"),
     (b'{"model": "tiny", "prompt": "\xff\xfe"}', "request body is not valid JSON: Invalid UTF-8"),
@@ -84,8 +112,8 @@ def test_bodies_that_are_not_a_json_object(raw: bytes, message: str) -> None:
 @pytest.mark.parametrize(
     ("body", "param", "message"),
     [
-        ({"messages": CHAT["messages"]}, "model", "'model' is required and must be a string"),
-        ({**CHAT, "model": 3}, "model", "'model' is required and must be a string"),
+        ({**CHAT, "model": 3}, "model", "'model' must be a non-empty string, got integer"),
+        ({**CHAT, "model": ""}, "model", "'model' must be a non-empty string, got string"),
         ({"model": "tiny"}, "messages", "'messages' is required"),
         ({**CHAT, "messages": "hi"}, "messages", "'messages' must be an array, got string"),
         ({**CHAT, "messages": []}, "messages", "'messages' must contain at least one"),
@@ -94,15 +122,22 @@ def test_bodies_that_are_not_a_json_object(raw: bytes, message: str) -> None:
         ({**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages[0].content",
          "'messages[0].content' must be a string or an array of parts, got integer"),
         ({**CHAT, "max_tokens": 0}, "max_tokens", "'max_tokens' must be at least 1, got 0"),
-        ({**CHAT, "max_tokens": "5"}, "max_tokens", "'max_tokens' must be an integer, got string"),
-        ({**CHAT, "max_tokens": True}, "max_tokens",
-         "'max_tokens' must be an integer, got boolean"),
+        ({**CHAT, "max_tokens": "five"}, "max_tokens",
+         "'max_tokens' must be an integer or null, got \"five\" (Input should be a valid "
+         "integer, unable to parse string as an integer)"),
+        ({**CHAT, "max_tokens": 2.5}, "max_tokens",
+         "'max_tokens' must be an integer or null, got 2.5"),
+        ({**CHAT, "max_tokens": "0"}, "max_tokens", "'max_tokens' must be at least 1, got 0"),
         ({**CHAT, "max_tokens": 10**9}, "max_tokens", "'max_tokens' must be at most 131072"),
         ({**CHAT, "max_completion_tokens": -1}, "max_completion_tokens",
          "'max_completion_tokens'"),
         ({**CHAT, "n": 1000}, "n", "'n' must be at most 16, got 1000"),
-        ({**CHAT, "n": 1.5}, "n", "'n' must be an integer, got number"),
-        ({**CHAT, "stream": "yes"}, "stream", "'stream' must be a boolean"),
+        ({**CHAT, "n": 1.5}, "n", "'n' must be an integer or null, got 1.5"),
+        ({**CHAT, "stream": "maybe"}, "stream", "'stream' must be a boolean or null, got "
+         "\"maybe\" (Input should be a valid boolean, unable to interpret input)"),
+        ({**CHAT, "echo": None}, "echo", "'echo' must be a boolean, got null"),
+        ({**CHAT, "stream": True, "stream_options": {"include_usage": 2}},
+         "stream_options.include_usage", "'stream_options.include_usage' must be a boolean"),
     ],
 )
 def test_chat_errors(body: object, param: str, message: str) -> None:
@@ -119,8 +154,8 @@ def test_unknown_model_is_404_and_names_the_served_models() -> None:
     assert "'gpt-5'" in err.message and "tiny" in err.message
 
 
-@pytest.mark.parametrize("prompt", [None, 5, [], ["a", 1], [[1, -2]], [1, -2], [1, True],
-                                    [1, 2.0], [1, 2**64], {"text": "x"}])
+@pytest.mark.parametrize("prompt", [None, 5, [], ["a", 1], [[1, -2]], [1, -2], [1, 2.5],
+                                    [[1, 2], "Hi"], [1, 2**64], {"text": "x"}])
 def test_completion_prompt_errors(prompt: object) -> None:
     body = {**COMPLETION, "prompt": prompt}
     if prompt is None:

@@ -143,8 +143,11 @@ def test_add_special_tokens_adds_bos(tok: PromptTokenizer) -> None:
 
 def test_token_id_prompts_pass_through(tok: PromptTokenizer) -> None:
     assert tok.completion_tokens({"prompt": [5, 6, 7]}) == [5, 6, 7]
-    assert tok.completion_prompts({"prompt": [[1, 2], "Hi"]}) == [
-        [1, 2], tok.completion_tokens({"prompt": "Hi"})]
+    assert tok.completion_prompts({"prompt": [[1, 2], [3]]}) == [[1, 2], [3]]
+    assert tok.completion_prompts({"prompt": ["Hi", "Ho"]}) == [
+        tok.completion_tokens({"prompt": "Hi"}), tok.completion_tokens({"prompt": "Ho"})]
+    # Read as vLLM's pydantic model reads them: ids written 1.0 or "3" are ids.
+    assert tok.completion_prompts({"prompt": [1.0, "3", True]}) == [[1, 3, 1]]
     assert tok.completion_tokens({"prompt": list(range(10)), "truncate_prompt_tokens": 3}) == [7, 8, 9]
     assert tok.request_tokens({"prompt": [9]}, "completions") == [9]
 
@@ -190,7 +193,7 @@ def test_endpoint_of() -> None:
          "chat_template", "not allowed"),
         ({"messages": [{"role": "user", "content": "x"}],
           "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "tokenize"),
-        ({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "yes"},
+        ({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "maybe"},
          "add_generation_prompt", "boolean"),
     ],
 )
@@ -207,9 +210,10 @@ def test_bad_chat_bodies_raise_request_error(tok: PromptTokenizer, body: dict[st
         ({}, "prompt must be a string"),
         ({"prompt": 12}, "got 12"),
         ({"prompt": []}, "got \\[\\]"),
-        ({"prompt": [1, "a"]}, "prompt\\[0\\] must be a string"),
-        ({"prompt": [1, -2]}, "negative token id -2"),
-        ({"prompt": [True, 2]}, "prompt\\[0\\]"),
+        ({"prompt": [1, "a"]}, "got \\[1, \"a\"\\]"),
+        ({"prompt": [1, -2]}, "non-negative integers.*got \\[1, -2\\]"),
+        ({"prompt": [[1, 2], "Hi"]}, "got \\[\\[1, 2\\], \"Hi\"\\]"),  # vLLM: no mixed batch
+        ({"prompt": [[1], []]}, "prompt\\[1\\] must not be an empty list"),
         ({"prompt": "x", "truncate_prompt_tokens": -5}, "truncate_prompt_tokens"),
     ],
 )
