@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from router import lax_fields
 from router.admission import Overloaded
 from router.gateway import GATEWAY, REQUEST_ID, Gateway, served_models, tenant_of
 from router.policy.pipeline import NoReplicasError
@@ -242,7 +243,9 @@ async def handle_conversation(request: web.Request) -> web.StreamResponse:
         raise ClientError(str(exc), "cache_salt") from None
     view = chat_view(request.path, body)
     parsed = ParsedRequest(endpoint="chat", body=view or {"model": model, "messages": []},
-                           model=str(model), stream=body.get("stream") is True,
+                           model=str(model),
+                           # bool | None in vLLM's ResponsesRequest and MessagesRequest alike
+                           stream=bool(lax_fields.field(body, "stream", "chat")),
                            client_wants_usage=True, max_tokens=None, cache_salt=salt, raw=raw)
     known = None if view is not None else _LOAD_ONLY
     session_key = request.headers.get("x-session-id")

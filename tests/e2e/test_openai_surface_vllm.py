@@ -230,6 +230,18 @@ async def test_values_vllm_reads_leniently_are_served_and_keyed_as_vllm_does(
             assert via == direct, body
         else:
             assert status == 400 and via["error"]["param"] in body, (body, via)
+    # /v1/responses reads "stream" alike: the gateway relays it as the stream it is.
+    streamed = [await _post(http, base + "/v1/responses", {
+        "model": MODEL, "instructions": f"[{RUN}] Be brief.", "input": "Say hi.",
+        "max_output_tokens": 4, "temperature": 0, "stream": "true"})
+        for base in (gw.url, vllm_url)]
+    assert [status for status, _, _ in streamed] == [200, 200]
+    assert streamed[0][2]["Content-Type"].startswith("text/event-stream")
+    # How many text deltas vLLM sends moves with its engine's steps; the rest does not.
+    finals = [events[-1] for _, events, _ in streamed]
+    assert [f["type"] for f in finals] == ["response.completed"] * 2
+    assert [f["response"]["output"][0]["content"] for f in finals] == \
+        [finals[1]["response"]["output"][0]["content"]] * 2
     # A prompt of ids written as floats is keyed as the ints vLLM reads: the gateway
     # predicts the second request's cached tokens exactly as vLLM then reports them.
     ids = [100 + (i * 37 + int(RUN, 16)) % 900 for i in range(100)]

@@ -142,7 +142,7 @@ def test_the_request_edge_takes_packed_ids_and_refuses_as_before() -> None:
         parse(b'{"model": "m", "prompt": [3, -4]}')
     assert info.value.param == "prompt"
     with pytest.raises(ClientError) as info:
-        parse(b'{"model": "m", "prompt": [3, 4], "max_tokens": "2"}')
+        parse(b'{"model": "m", "prompt": [3, 4], "max_tokens": "two"}')
     assert info.value.param == "max_tokens"
 
 
