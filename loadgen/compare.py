@@ -84,6 +84,7 @@ from loadgen.workload_flags import (
 from loadgen.workloads import TOKEN_LOW
 from replica.processes import redis_server
 from replica.profiles import load_profile
+from router.cli.arg_types import positive_int
 
 __all__ = ["DEFAULT_TRACE", "Comparison", "HarnessError", "add_arguments", "run",
            "run_comparison"]
@@ -95,7 +96,7 @@ BASELINE = "baseline~"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Fleet, policies, peers, pacing, workload and output flags."""
-    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--replicas", type=positive_int, default=4)
     parser.add_argument("--policies", default="round_robin,least_loaded,cache_aware",
                         help=f"comma-separated: {', '.join(POLICIES)}; 'vllm-router:NAME' or "
                              "'smg:NAME' runs a peer's policy NAME; NAME@KEY=VALUE[@...] one of "
@@ -164,7 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "chat messages (and tools) to /v1/chat/completions (the sims "
                              "then load the tokenizer)")
     parser.add_argument("--mode", choices=("closed", "open"), default="closed")
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--concurrency", type=positive_int, default=8)
     parser.add_argument("--rate", type=float, default=None,
                         help="open loop: Poisson req/s for workloads without arrival times")
     parser.add_argument("--speedup", type=float, default=1.0,

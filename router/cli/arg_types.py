@@ -24,3 +24,14 @@ def int_list(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"want comma-separated whole numbers, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """A count that must be at least 1 (replicas, rounds, concurrent clients)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"want a whole number of at least 1, got {text!r}")
+    return value

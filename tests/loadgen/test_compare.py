@@ -290,6 +290,10 @@ def test_workload_flags_pick_per_workload_defaults() -> None:
      "argument --trace: no such trace file: '/nonexistent/t.jsonl'"),
     (["--trace-start", "-3"], "argument --trace-start: must be 0 or more, got -3"),
     (["--trace-start", "x"], "argument --trace-start: not a whole number: 'x'"),
+    # Refused before "starting 0 sim replicas" was printed and the index started.
+    (["--replicas", "0"], "argument --replicas: want a whole number of at least 1, got '0'"),
+    (["--concurrency", "-2"],
+     "argument --concurrency: want a whole number of at least 1, got '-2'"),
 ])
 def test_bad_workload_flags_are_named_before_anything_starts(
         flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
