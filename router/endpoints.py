@@ -31,7 +31,7 @@ from router.gateway import GATEWAY, REQUEST_ID, Gateway, served_models, tenant_o
 from router.policy.pipeline import NoReplicasError
 from router.proxy import json_error
 from router.replicas import Replica
-from router.request import ClientError, ParsedRequest, decode_body
+from router.request import ClientError, ParsedRequest, decode_body, requested_model
 from router.routing import KnownTokens
 from router.tenants import ClientSaltError
 from router.upstream_http import UpstreamResponse
@@ -135,8 +135,9 @@ async def handle_by_model(request: web.Request) -> web.StreamResponse:
     tenant_of(gw, request)
     raw, body = await _body(request, gw)
     model = body.get("model")
-    if model is None and request.path != "/detokenize":
-        raise ClientError("'model' is required", "model")
+    if model is not None or request.path != "/detokenize":
+        # vLLM's tokenize and embedding requests take model: str | None, as completions do.
+        model = requested_model(body, served_models(gw))
     return await _relay(gw, request, _least_loaded(_serving(gw, model)), request.path, raw)
 
 
@@ -234,6 +235,10 @@ async def handle_conversation(request: web.Request) -> web.StreamResponse:
     tenant = tenant_of(gw, request)
     raw, body = await _body(request, gw)
     model = body.get("model")
+    if model is not None or request.path == "/v1/responses":
+        # vLLM's ResponsesRequest takes model: str | None (its own model when absent);
+        # its Anthropic MessagesRequest requires one.
+        model = requested_model(body, served_models(gw))
     if model is None:
         raise ClientError("'model' is required", "model")
     served = _serving(gw, model)

@@ -125,7 +125,7 @@ def validate_body(body: dict[str, Any], raw: bytes, endpoint: str, *,
     """Validate a decoded body for `endpoint` ("chat" | "completions"); `token_ids`: the
     prompt's ids where decode_completion read them already."""
     kind: Endpoint = "chat" if endpoint == "chat" else "completions"
-    model = _model(body, served_models)
+    model = requested_model(body, served_models)
     lax_fields.check(body, kind)
     stream = bool(lax_fields.field(body, "stream", kind))  # vLLM reads null as False
     if served_models and model not in served_models:
@@ -158,7 +158,7 @@ def _type_name(value: object) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _model(body: Mapping[str, Any], served_models: Collection[str]) -> str:
+def requested_model(body: Mapping[str, Any], served_models: Collection[str]) -> str:
     """The model asked for. vLLM serves a body without one (or with null) as its own
     model, so a gateway serving one model does too; with several it must be named."""
     model = body.get("model")

@@ -230,6 +230,14 @@ async def test_values_vllm_reads_leniently_are_served_and_keyed_as_vllm_does(
             assert via == direct, body
         else:
             assert status == 400 and via["error"]["param"] in body, (body, via)
+    # vLLM's responses and tokenize requests take no model as well: its own.
+    for path, body in (("/v1/responses", {"instructions": f"[{RUN}] Be brief.",
+                                          "input": "Say hi.", "max_output_tokens": 4,
+                                          "temperature": 0}),
+                       ("/tokenize", {"prompt": f"[{RUN}] no model"})):
+        answers = [await _post(http, base + path, body) for base in (gw.url, vllm_url)]
+        assert [status for status, _, _ in answers] == [200, 200], (path, answers)
+        _same(answers[0][1], answers[1][1])
     # /v1/responses reads "stream" alike: the gateway relays it as the stream it is.
     streamed = [await _post(http, base + "/v1/responses", {
         "model": MODEL, "instructions": f"[{RUN}] Be brief.", "input": "Say hi.",
