@@ -52,12 +52,10 @@ class _Spec:
 
 
 def _spec(kind: type, default: Any, *, nullable: bool, ge: int | None = None) -> _Spec:
-    wants = {bool: "a boolean", int: "an integer"}[kind]
+    wants = {bool: "a boolean", int: "an integer"}[kind] + ("" if ge is None else f" >= {ge}")
     tp: Any = kind if ge is None else Annotated[kind, Field(ge=ge, le=_INT64_MAX)]
-    if ge is not None:
-        wants = f"an integer >= {ge}"
-    return _Spec(TypeAdapter(tp | None if nullable else tp), default, kind, nullable, wants,
-                 constrained=ge is not None)
+    return _Spec(TypeAdapter(tp | None if nullable else tp), default, kind, nullable,
+                 wants + (" or null" if nullable else ""), constrained=ge is not None)
 
 
 # The fields the gateway or the sim reads, as vLLM 0.32 declares them (name: type = default).
@@ -98,8 +96,8 @@ def field(body: Mapping[str, Any], name: str, endpoint: Endpoint) -> Any:
     try:
         return spec.adapter.validate_python(value)
     except ValidationError as exc:
-        raise ClientError(f"'{name}' must be {spec.wants}{'' if not spec.nullable else ' or null'}"
-                          f", got {_shown(value)} ({_reason(exc)})", name) from None
+        raise ClientError(f"'{name}' must be {spec.wants}, got {_shown(value)} ({_reason(exc)})",
+                          name) from None
 
 
 def check(body: Mapping[str, Any], endpoint: Endpoint) -> None:
