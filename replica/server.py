@@ -393,9 +393,24 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     return web.json_response({"success": replica.reset_prefix_cache()})
 
 
+@web.middleware
+async def _unserved_as_api_error(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A path or method the sim does not serve (vLLM's /v1/responses, /v1/messages,
+    /v1/embeddings, ...) answered in vLLM's error shape, not aiohttp's plain-text page:
+    a gateway relays a replica's refusal to its client as it is."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+        return error_response(ApiError(
+            f"{request.method} {request.path} is not served by the simulated replica",
+            status=exc.status, err_type=None if exc.status == 404 else "MethodNotAllowed"))
+
+
 def build_app(replica: SimReplica) -> web.Application:
     """The aiohttp app serving `replica`; starting the app starts the replica's driver."""
-    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app = web.Application(client_max_size=256 * 1024 * 1024,
+                          middlewares=[_unserved_as_api_error])
     app[REPLICA_KEY] = replica
 
     async def lifecycle(_app: web.Application) -> AsyncIterator[None]:

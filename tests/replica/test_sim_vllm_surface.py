@@ -386,3 +386,16 @@ def test_detokenize_without_a_tokenizer_is_a_clear_400(make_fleet: Fleet) -> Non
     resp = httpx.post(f"{sim.url}/detokenize", json={"tokens": [1, 2]}, timeout=5)
     assert resp.status_code == 400
     assert "without --model" in resp.json()["error"]["message"]
+
+
+def test_a_path_the_sim_does_not_serve_is_refused_in_vllms_error_shape(make_fleet: Fleet) -> None:
+    # A gateway relays a replica's refusal as it is: aiohttp's plain "404: Not Found"
+    # reached clients of a gateway routing /v1/responses to a sim.
+    (sim,) = make_fleet(1).replicas
+    r = _post(sim.url, {"input": "hi"}, "/v1/responses")
+    assert r.status_code == 404
+    assert r.json() == {"error": {
+        "message": "POST /v1/responses is not served by the simulated replica",
+        "type": "NotFoundError", "param": None, "code": 404}}
+    wrong = httpx.get(f"{sim.url}/v1/completions", timeout=10)
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == 405
