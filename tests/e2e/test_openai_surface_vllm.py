@@ -248,8 +248,8 @@ async def test_values_vllm_reads_leniently_are_served_and_keyed_as_vllm_does(
     # How many text deltas vLLM sends moves with its engine's steps; the rest does not.
     finals = [events[-1] for _, events, _ in streamed]
     assert [f["type"] for f in finals] == ["response.completed"] * 2
-    assert [f["response"]["output"][0]["content"] for f in finals] == \
-        [finals[1]["response"]["output"][0]["content"]] * 2
+    # (The whole output: the tiny random model's four tokens may render as no item at all.)
+    assert finals[0]["response"]["output"] == finals[1]["response"]["output"]
     # A prompt of ids written as floats is keyed as the ints vLLM reads: the gateway
     # predicts the second request's cached tokens exactly as vLLM then reports them.
     ids = [100 + (i * 37 + int(RUN, 16)) % 900 for i in range(100)]
