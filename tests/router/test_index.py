@@ -390,11 +390,14 @@ async def test_warm_leaves_the_answers_unchanged(index: PrefixIndex) -> None:
 
 
 async def test_memory_index_applies_a_long_batch_in_slices_as_one_put_would() -> None:
-    # A 300-block event is applied APPLY_SLICE blocks at a time with the loop let go
-    # between slices (the answer the batch came with goes out meanwhile). The result is
-    # the one unsliced write's, down to which blocks a capacity bound evicts first.
-    chain = tuple(range(1000, 1300))
-    sliced, whole = MemoryIndex(capacity_blocks=250), MemoryIndex(capacity_blocks=250)
+    # A long event (300 blocks where a slice is 64) is applied APPLY_SLICE blocks at a
+    # time with the loop let go between slices (the answer the batch came with goes out
+    # meanwhile). The result is the one unsliced write's, down to which blocks a capacity
+    # bound evicts first.
+    size = 3 * APPLY_SLICE + 108
+    cap = size - 50
+    chain = tuple(range(1000, 1000 + size))
+    sliced, whole = MemoryIndex(capacity_blocks=cap), MemoryIndex(capacity_blocks=cap)
     ran_between: list[int] = []
 
     async def neighbour() -> None:
@@ -405,12 +408,11 @@ async def test_memory_index_applies_a_long_batch_in_slices_as_one_put_would() ->
     other = asyncio.ensure_future(neighbour())
     await asyncio.sleep(0)
     await sliced.apply("r1", [IndexOp("add", MODEL, chain),
-                              IndexOp("remove", MODEL, chain[200:])])
+                              IndexOp("remove", MODEL, chain[size - 100:])])
     other.cancel()
-    whole._put(MODEL, "r1", chain, None, 250)
-    await whole.remove(MODEL, "r1", chain[200:])
+    whole._put(MODEL, "r1", chain, None, cap)
+    await whole.remove(MODEL, "r1", chain[size - 100:])
     assert list(sliced._lru[(MODEL, "r1")]) == list(whole._lru[(MODEL, "r1")])
     assert await sliced.lookup(MODEL, list(chain)) == await whole.lookup(MODEL, list(chain))
     # The neighbour ran while the batch was half written.
-    assert any(0 < n < 250 for n in ran_between)
-    assert APPLY_SLICE < 300
+    assert any(0 < n < cap for n in ran_between)
