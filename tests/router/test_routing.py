@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router.config import LimitsConfig, TenantsConfig
 from router.hashing import HashConfig, chain_hashes, event_key
@@ -26,6 +28,7 @@ from router.policy.types import PolicyConfig
 from router.replicas import Replica, ReplicaSource
 from router.request import ParsedRequest, parse_request, upstream_payload
 from router.routing import (
+    PRINT_STRIDE,
     ChainCache,
     RoutingPipeline,
     _event_keys,
@@ -116,10 +119,11 @@ def test_chain_cache_matches_vllm_keys_and_hashes_only_new_blocks() -> None:
 def test_chain_cache_is_bounded() -> None:
     cache = ChainCache(capacity_blocks=10)
     cache.event_keys(CONFIG, list(range(16 * 30)), None)
-    assert cache.blocks == 10  # the first 10 blocks' prefixes: the useful end of a chain
+    assert cache.blocks == 30  # the newest chain stays whole, past the bound
     for first in range(5):  # more chains: the oldest go, whole
         cache.event_keys(CONFIG, [first, *range(16 * 6)], None)
-    assert cache.blocks <= 10
+    assert cache.blocks <= 10 and len(cache._chains) == 1
+    assert len(cache._memo) == 1  # chain [4, ...]'s one fingerprint, at its 6 blocks
 
 
 def test_chain_cache_reuses_branches_and_repeats_exactly() -> None:
@@ -130,8 +134,45 @@ def test_chain_cache_reuses_branches_and_repeats_exactly() -> None:
     for tokens in (a, b, a, b, a[: 16 * 25 + 3]):
         keys = cache.event_keys(CONFIG, tokens, None)
         assert keys == [event_key(d) for d in chain_hashes(CONFIG, tokens)]
-    # a: 30 blocks; b: 5 past the shared 20; the repeats and the prefix of a: none.
-    assert cache.hashed_blocks == 30 + 5
+    # a: 30 blocks. b: from a's fingerprint at 16 blocks (PRINT_STRIDE), its 9 after.
+    # The repeats: none. The prefix of a: from 16 again, and its 9 are a's own (no new
+    # chain: the repeats of it hash nothing).
+    assert PRINT_STRIDE == 16
+    assert cache.hashed_blocks == 30 + 9 + 9 and len(cache._chains) == 2
+    cache.event_keys(CONFIG, a[: 16 * 25 + 3], None)
+    assert cache.hashed_blocks == 48
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 70), st.integers(0, 40)),
+                min_size=1, max_size=12))
+def test_chain_cache_hashes_at_most_a_stride_more_than_is_new(
+        turns: list[tuple[int, int, int]]) -> None:
+    # Requests built from a few shared histories (a prefix of one, then new blocks):
+    # each gets vLLM's keys, and hashes no more than its blocks past the longest prefix
+    # any earlier request had, plus PRINT_STRIDE - 1 (nothing is evicted here).
+    cache = ChainCache()
+    histories = [list(range(10_000 * h, 10_000 * h + 16 * 70)) for h in range(4)]
+    seen: list[list[int]] = []
+    for n, (h, shared, new) in enumerate(turns):
+        tokens = [*histories[h][: 16 * shared], *range(900_000 + 1000 * n,
+                                                        900_000 + 1000 * n + 16 * new)]
+        before = cache.hashed_blocks
+        keys = cache.event_keys(CONFIG, tokens, "s")
+        assert keys == [event_key(d) for d in chain_hashes(CONFIG, tokens, cache_salt="s")]
+        blocks = len(tokens) // 16
+        known = max((_common_blocks(tokens, old) for old in seen), default=0)
+        assert cache.hashed_blocks - before <= blocks - known + PRINT_STRIDE - 1
+        if known == blocks and any(len(old) // 16 == blocks for old in seen):
+            assert cache.hashed_blocks == before  # asked before: nothing hashed
+        seen.append(tokens)
+
+
+def _common_blocks(a: list[int], b: list[int]) -> int:
+    n = 0
+    while (n + 1) * 16 <= min(len(a), len(b)) and a[n * 16:(n + 1) * 16] == b[n * 16:(n + 1) * 16]:
+        n += 1
+    return n
 
 
 def test_chain_cache_grows_a_conversation_in_place_hashing_only_the_turn() -> None:
@@ -161,7 +202,11 @@ def test_chain_cache_branches_off_a_chain_that_grew_since() -> None:
     for tokens in (branch, history, branch[: 16 * 47], [*branch, *range(70_000, 70_032)]):
         keys = cache.event_keys(CONFIG, tokens, "s")
         assert keys == [event_key(d) for d in chain_hashes(CONFIG, tokens, cache_salt="s")]
-    assert cache.hashed_blocks == 40 + 3 * 4 + (len(branch) // 16 - 44) + 2
+    # The turns: 4 blocks each. The branch (50 blocks): from the history's fingerprint at
+    # 32 (its own first 48 differ from the grown chain's), 18. The branch's prefix of 47
+    # blocks: from the history's 32 again, 15 (they part from the history's at 44, so
+    # it becomes a chain of its own). The grown branch: 2, from the branch's end.
+    assert cache.hashed_blocks == 40 + 3 * 4 + 18 + 15 + 2
 
 
 def test_prepare_prompt_without_tokenizer_keys_token_id_prompts_only() -> None:
