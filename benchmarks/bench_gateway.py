@@ -511,10 +511,11 @@ async def throughput(url: str, seconds: float, concurrency: int) -> float:
 
 
 async def streamed_burst(url: str, requests: int, concurrency: int, size: int,
-                         seed: int, extra: dict[str, Any] | None = None) -> int:
+                         seed: int, extra: dict[str, Any] | None = None,
+                         cold: bool = False) -> int:
     """About `requests` streamed conversation turns (token ids, `size` tokens growing 256
     a turn, 16 tokens out, usage asked for), `concurrency` conversations at a time; how
-    many it sent."""
+    many it sent. `cold`: each request a new prompt of `size` tokens instead."""
     per_client = max(1, requests // concurrency)
 
     async def client(session: aiohttp.ClientSession, rng: random.Random) -> None:
@@ -527,7 +528,7 @@ async def streamed_burst(url: str, requests: int, concurrency: int, size: int,
                     pass
                 if resp.status != 200:
                     raise RuntimeError(f"{url}: HTTP {resp.status}")
-            history += _ids(rng, TURN_TOKENS)
+            history = _ids(rng, size) if cold else history + _ids(rng, TURN_TOKENS)
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         await asyncio.gather(*(client(session, random.Random(f"{seed}-{i}"))
@@ -536,7 +537,8 @@ async def streamed_burst(url: str, requests: int, concurrency: int, size: int,
 
 
 def cpu_per_request(routers: list[Router], rounds: int, requests: int, concurrency: int,
-                    size: int, extra: dict[str, Any] | None = None) -> dict[str, list[float]]:
+                    size: int, extra: dict[str, Any] | None = None, cold: bool = False,
+                    ) -> dict[str, list[float]]:
     """Router -> CPU seconds per request of its processes, one figure per round; the
     routers take turns within each round, starting one further along each round: in a
     fixed order the first router measured 5-20% more than the second, whichever code
@@ -548,9 +550,11 @@ def cpu_per_request(routers: list[Router], rounds: int, requests: int, concurren
             if r.proc is None:
                 continue
             pids = [r.proc.pid, *children(r.proc.pid), *(h.pid for h in r.helpers)]
-            asyncio.run(streamed_burst(r.url, concurrency, concurrency, size, -1 - round_, extra))
+            asyncio.run(streamed_burst(r.url, concurrency, concurrency, size, -1 - round_, extra,
+                                       cold))
             before = sum(cpu_seconds(pid) for pid in pids)
-            sent = asyncio.run(streamed_burst(r.url, requests, concurrency, size, round_, extra))
+            sent = asyncio.run(streamed_burst(r.url, requests, concurrency, size, round_, extra,
+                                              cold))
             out[r.name].append((sum(cpu_seconds(pid) for pid in pids) - before) / sent)
     return out
 
@@ -652,12 +656,21 @@ def main(argv: list[str] | None = None) -> int:
                     rps = asyncio.run(throughput(url, args.seconds, args.concurrency))
                     print(f"   {name:<24} {rps:8.0f} req/s")
             if args.cpu_requests > 0:
+                sent = max(1, args.cpu_requests // 8) * 8
                 cpu = cpu_per_request(routers, args.rounds, args.cpu_requests, 8, 4096, extra)
                 print(f"\n4) CPU per routed request (ms; user + system time of the router's "
-                      f"processes, its indexer included, over "
-                      f"{max(1, args.cpu_requests // 8) * 8} streamed "
+                      f"processes, its indexer included, over {sent} streamed "
                       f"requests: 8 conversations at a time, token ids from 4k growing 256 a "
                       f"turn, 16 tokens out); median over rounds [min..max]")
+                for name, values in cpu.items():
+                    print(f"   {name:<24} {statistics.median(values) * 1000:8.2f} "
+                          f"[{min(values) * 1000:.2f}..{max(values) * 1000:.2f}]")
+                # Every block of a cold prompt is new: keyed, and stored (then, on a full
+                # cache, evicted) in the gateway's index from the replica's KV events.
+                cpu = cpu_per_request(routers, args.rounds, args.cpu_requests, 8, 8192, extra,
+                                      cold=True)
+                print(f"\n   the same over {sent} cold 8k-token prompts (8 at a time, each "
+                      f"new): median over rounds [min..max]")
                 for name, values in cpu.items():
                     print(f"   {name:<24} {statistics.median(values) * 1000:8.2f} "
                           f"[{min(values) * 1000:.2f}..{max(values) * 1000:.2f}]")
