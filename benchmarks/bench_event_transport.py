@@ -36,7 +36,7 @@ def measure(repo: Path, messages: int) -> float:
 
     from router.events import ReplicaEventStream
     from router.index import MemoryIndex
-    from router.kv_events import BlockStored, EventBatch, encode_batch, seq_bytes
+    from router.kv_events import BlockStored, EventBatch, encode_batch, encoded_ids, seq_bytes
 
     class Gated(MemoryIndex):
         """Holds the first batch until released: the rest queue in the socket."""
@@ -60,7 +60,7 @@ def measure(repo: Path, messages: int) -> float:
     def batch(key: int) -> bytes:
         return encode_batch(EventBatch(ts=time.time(), events=[BlockStored(
             block_hashes=[key], parent_block_hash=key - 1 if key else None,
-            token_ids=[0] * 16, block_size=16, lora_id=None, medium="GPU", lora_name=None)]))
+            token_ids=encoded_ids([0] * 16), block_size=16, lora_id=None, medium="GPU", lora_name=None)]))
 
     async def run() -> float:
         ctx = zmq.asyncio.Context()

@@ -45,6 +45,7 @@ def child(repo: Path, blocks: int, batches: int) -> float:
         KVEvent,
         decode_batch,
         encode_batch,
+        encoded_ids,
     )
 
     rng = random.Random(7)
@@ -56,7 +57,8 @@ def child(repo: Path, blocks: int, batches: int) -> float:
             BlockRemoved(block_hashes=[k], medium="GPU") for k in previous]
         events.append(BlockStored(
             block_hashes=keys, parent_block_hash=None,
-            token_ids=[rng.randrange(3000) for _ in range(blocks * 16)], block_size=16,
+            token_ids=encoded_ids([rng.randrange(3000) for _ in range(blocks * 16)]),
+            block_size=16,
             lora_id=None, medium="GPU", lora_name=None))
         previous = keys
         payloads.append(encode_batch(EventBatch(ts=time.time(), events=events)))

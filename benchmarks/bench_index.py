@@ -52,7 +52,14 @@ import zmq.asyncio
 from replica.processes import RedisServer
 from router.events import ReplicaEventStream
 from router.index import IndexOp, MemoryIndex, PrefixIndex, RedisIndex, StreamPosition
-from router.kv_events import BlockRemoved, BlockStored, EventBatch, encode_batch, seq_bytes
+from router.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    encode_batch,
+    encoded_ids,
+    seq_bytes,
+)
 
 MODEL = "bench"
 CHAIN_LENGTHS = (64, 512, 2048, 8192)
@@ -228,7 +235,7 @@ async def apply_rate(index: PrefixIndex, batches: int) -> float:
             base = 10_000_000 + 4 * i
             payloads.append(encode_batch(EventBatch(ts=time.time(), events=[
                 BlockStored(block_hashes=list(range(base, base + 4)), parent_block_hash=None,
-                            token_ids=[0] * 64, block_size=16, lora_id=None, medium="GPU",
+                            token_ids=encoded_ids([0] * 64), block_size=16, lora_id=None, medium="GPU",
                             lora_name=None),
                 BlockRemoved(block_hashes=[base - 1], medium="GPU")])))
         t0 = time.perf_counter()

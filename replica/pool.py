@@ -28,7 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.hashing import BlockChain, HashConfig, LoraRef, block_extra_keys, event_key
-from router.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from router.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    encoded_ids,
+)
 
 # What vLLM's KVCacheManager stamps on BlockStored for a full-attention model's group 0.
 KV_CACHE_SPEC_KIND = "full_attention"
@@ -283,7 +290,7 @@ class KVCacheManager:
         return BlockStored(
             block_hashes=[event_key(k) for k in chain.keys[first:end]],
             parent_block_hash=event_key(chain.keys[first - 1]) if first > 0 else None,
-            token_ids=list(chain.tokens[first * size:end * size]),
+            token_ids=encoded_ids(chain.tokens[first * size:end * size]),
             block_size=size,
             lora_id=seq.lora_id if chain.lora is not None else None,
             medium=MEDIUM_GPU,

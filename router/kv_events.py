@@ -16,6 +16,7 @@ with seq >= start_seq, then the end marker [b"", b"", END_SEQ, b""].
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -32,7 +33,11 @@ class BlockStored(
 
     block_hashes: list[int | bytes]
     parent_block_hash: int | bytes | None
-    token_ids: list[int]
+    # The blocks' token ids as they came, msgpack-encoded: only the hash handshake and
+    # re-keying read them (stored_token_ids), and decoding them for every event was a
+    # Python int per token, ~75-100 us of the gateway's loop for each cold 8k-token
+    # prompt's event. Build one with encoded_ids.
+    token_ids: msgspec.Raw
     block_size: int
     lora_id: int | None
     medium: str | None
@@ -77,6 +82,20 @@ class EventDecodeError(ValueError):
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(EventBatch)
+_ids_decoder = msgspec.msgpack.Decoder(list[int])
+
+
+def encoded_ids(token_ids: Sequence[int]) -> msgspec.Raw:
+    """A BlockStored's token_ids from a list of ids."""
+    return msgspec.Raw(_encoder.encode(list(token_ids)))
+
+
+def stored_token_ids(event: BlockStored) -> list[int]:
+    """A stored event's token ids; EventDecodeError where they are not a list of ints."""
+    try:
+        return _ids_decoder.decode(event.token_ids)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise EventDecodeError(f"bad KV-event token_ids: {exc}") from exc
 
 
 def encode_batch(batch: EventBatch) -> bytes:

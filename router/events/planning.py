@@ -49,7 +49,9 @@ from router.kv_events import (
     BlockRemoved,
     BlockStored,
     EventBatch,
+    EventDecodeError,
     block_key_int,
+    stored_token_ids,
 )
 
 log = logging.getLogger(__name__)
@@ -277,8 +279,13 @@ class BatchPlanner:
         self._probe_blocks.update(replica_keys)
         self.stats.probes += 1
         if salt is not None:
+            try:
+                tokens = stored_token_ids(event)
+            except EventDecodeError:  # unreadable: the handshake waits for another probe
+                self.stats.decode_errors += 1
+                return True
             plan.probes.append(ProbeSeen(salt, event.block_size, tuple(replica_keys),
-                                          tuple(event.token_ids)))
+                                          tuple(tokens)))
         return True
 
     def _decide_keys(self, event: BlockStored, replica_keys: list[int]) -> None:
@@ -343,7 +350,11 @@ class BatchPlanner:
         config = self._rekey
         assert config is not None
         size = config.block_size
-        if event.block_size != size or len(event.token_ids) < size * len(replica_keys):
+        try:
+            tokens = stored_token_ids(event)
+        except EventDecodeError:
+            tokens = []  # unreadable: as unsupported as too few
+        if event.block_size != size or len(tokens) < size * len(replica_keys):
             if count:
                 self.stats.rekey_unsupported += 1
             return None
@@ -381,7 +392,7 @@ class BatchPlanner:
                 return None
             start = 0 if first else size * (i + 1)  # only "is this block 0" matters
             extra = block_extra_keys(start, start + size, lora=lora, cache_salt=salt)
-            parent = hash_block(config, parent, event.token_ids[i * size:(i + 1) * size], extra)
+            parent = hash_block(config, parent, tokens[i * size:(i + 1) * size], extra)
             digests.append(parent)
         return digests
 

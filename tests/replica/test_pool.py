@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from replica.pool import BlockPool, KVCacheManager, SequenceState, new_sequence
 from router.hashing import HashConfig, chain_hashes, event_key
-from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, stored_token_ids
 
 CFG = HashConfig(block_size=16)
 
@@ -97,7 +97,7 @@ def test_block_stored_event_fields_match_vllm() -> None:
     assert isinstance(event, BlockStored)
     assert event.block_hashes == [event_key(k) for k in keys]
     assert event.parent_block_hash is None
-    assert event.token_ids == prompt[:32]
+    assert stored_token_ids(event) == prompt[:32]
     assert event.block_size == 16
     assert event.extra_keys == [["tenant-A"], None]
     assert (event.medium, event.group_idx, event.kv_cache_spec_kind) == ("GPU", 0, "full_attention")

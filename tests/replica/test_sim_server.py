@@ -16,7 +16,7 @@ import pytest
 from replica.fleet import SimFleet
 from replica.profiles import load_profile
 from router.hashing import HashConfig, chain_hashes, event_key
-from router.kv_events import AllBlocksCleared, BlockStored
+from router.kv_events import AllBlocksCleared, BlockStored, stored_token_ids
 from router.tokenize import PromptTokenizer
 
 HASH16 = HashConfig(algo="sha256", block_size=16, seed="0")
@@ -104,7 +104,7 @@ def test_kv_events_carry_vllm_block_keys(make_fleet: Fleet, replay: Fn, subscrib
     assert event.block_hashes == [event_key(k) for k in keys]  # 3 full blocks
     assert event.parent_block_hash is None
     assert event.extra_keys == [["tenant-A"], None, None]
-    assert event.token_ids == prompt[:48]
+    assert stored_token_ids(event) == prompt[:48]
     assert batch.data_parallel_rank == 0
     # A full hit (same prompt, 1 token) fills no new block: no batch at all.
     _complete(sim.url, prompt, 1, cache_salt="tenant-A")

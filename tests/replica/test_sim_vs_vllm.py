@@ -29,7 +29,7 @@ from replica.engine import Engine, EngineConfig, EngineRequest
 from replica.fleet import SimFleet
 from replica.profiles import load_profile
 from router.hashing import chain_hashes, event_key
-from router.kv_events import BlockRemoved, BlockStored, EventBatch, KVEvent
+from router.kv_events import BlockRemoved, BlockStored, EventBatch, KVEvent, stored_token_ids
 
 pytestmark = pytest.mark.vllm
 
@@ -59,7 +59,7 @@ def _stored(events: list[KVEvent]) -> list[tuple[Any, ...]]:
     out: list[tuple[Any, ...]] = []
     for e in events:
         if isinstance(e, BlockStored):
-            out.append(("stored", tuple(e.block_hashes), e.parent_block_hash, tuple(e.token_ids),
+            out.append(("stored", tuple(e.block_hashes), e.parent_block_hash, tuple(stored_token_ids(e)),
                         e.block_size, repr(e.extra_keys), e.medium, e.group_idx,
                         e.kv_cache_spec_kind))
         elif isinstance(e, BlockRemoved):

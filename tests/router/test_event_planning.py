@@ -10,6 +10,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from router.events.planning import BatchPlan, BatchPlanner, ProbeSeen
 from router.events.sequence import Apply, Clear, SequenceTracker
 from router.events.stats import StreamStats
@@ -23,6 +25,7 @@ from router.kv_events import (
     EventBatch,
     KVEvent,
     encode_batch,
+    encoded_ids,
 )
 
 MODEL = "tiny"
@@ -33,7 +36,8 @@ def stored(keys: Sequence[int], parent: int | None = None, *, tokens: Sequence[i
            extra_keys: list[list[Any] | None] | None = None) -> BlockStored:
     return BlockStored(
         block_hashes=list(keys), parent_block_hash=parent,
-        token_ids=list(tokens) or [0] * (block_size * len(keys)), block_size=block_size,
+        token_ids=encoded_ids(list(tokens) or [0] * (block_size * len(keys))),
+        block_size=block_size,
         lora_id=1 if lora else None, medium=medium, lora_name=lora, extra_keys=extra_keys,
     )
 
@@ -198,6 +202,24 @@ async def test_a_probe_is_kept_for_the_handshake_and_never_indexed(index: Prefix
     assert await index.lookup(MODEL, [5]) == {"r1": 1}
     assert replica.stats.probes == 2
     assert sum(p.applied for p in plans) == 4
+
+
+async def test_unreadable_token_ids_leave_the_blocks_indexed_and_are_read_nowhere_else(
+    index: PrefixIndex,
+) -> None:
+    # Token ids are decoded only where read (the handshake's probes, re-keying): a
+    # stored event whose ids are not a list of ints still says which blocks the replica
+    # holds; a probe or a re-keyed run it carries is skipped and counted.
+    bad = msgspec.Raw(msgspec.msgpack.encode(["not", "ids"]))
+    replica = Replica(index)
+    await replica.publish(msgspec.structs.replace(stored([1, 2]), token_ids=bad))
+    assert await index.lookup(MODEL, [1, 2]) == {"r1": 2}
+    plan = await replica.publish(msgspec.structs.replace(
+        stored([7], extra_keys=[["cacheroute-probe-0123"]]), token_ids=bad))
+    assert plan.probes == [] and replica.stats.decode_errors == 1
+    rekeying = Replica(index, "r2", rekey=HashConfig("sha256", block_size=4, seed="x"))
+    await rekeying.publish(msgspec.structs.replace(stored([3]), token_ids=bad))
+    assert rekeying.stats.rekey_unsupported == 1 and await index.lookup(MODEL, [3]) == {}
 
 
 async def test_auto_rekey_indexes_an_agreeing_replica_as_it_is(index: PrefixIndex) -> None:

@@ -18,11 +18,12 @@ from router.kv_events import (
     EventBatch,
     KVEvent,
     encode_batch,
+    encoded_ids,
 )
 
 
 def stored(key: int, parent: int | None = None) -> BlockStored:
-    return BlockStored(block_hashes=[key], parent_block_hash=parent, token_ids=[0] * 4,
+    return BlockStored(block_hashes=[key], parent_block_hash=parent, token_ids=encoded_ids([0] * 4),
                        block_size=4, lora_id=None, medium="GPU", lora_name=None)
 
 

@@ -32,6 +32,7 @@ from router.kv_events import (
     EventBatch,
     KVEvent,
     encode_batch,
+    encoded_ids,
     seq_bytes,
 )
 
@@ -58,7 +59,8 @@ def stored(keys: Sequence[int], parent: int | None = None, *, tokens: Sequence[i
            extra_keys: list[list[Any] | None] | None = None) -> BlockStored:
     return BlockStored(
         block_hashes=list(keys), parent_block_hash=parent,
-        token_ids=list(tokens) or [0] * (block_size * len(keys)), block_size=block_size,
+        token_ids=encoded_ids(list(tokens) or [0] * (block_size * len(keys))),
+        block_size=block_size,
         lora_id=1 if lora else None, medium="GPU", lora_name=lora, extra_keys=extra_keys,
     )
 
