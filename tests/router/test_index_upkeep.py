@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
+import sys
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 from hypothesis import example, given, settings
@@ -110,3 +113,14 @@ def test_the_c_loops_refuse_what_is_not_theirs_without_writing() -> None:
     with pytest.raises(TypeError, match="dicts"):
         upkeep.put(holders, lru, {}, [7], "r1", 1.0, None)
     assert not lru
+
+
+def test_the_benchmark_runs_and_names_a_bad_value() -> None:
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_index_upkeep.py"
+    done = subprocess.run([sys.executable, str(bench), "--blocks", "8", "--held", "32",
+                           "--rounds", "2", "--per-round", "3"],
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert "C / Python:" in done.stdout and "8 blocks stored + 8 evicted" in done.stdout
+    bad = subprocess.run([sys.executable, str(bench), "--held", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--held must be at least 1" in bad.stderr
