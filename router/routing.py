@@ -89,14 +89,26 @@ def _event_keys(digests: list[bytes]) -> list[int]:
     return list(struct.unpack(f">{words * len(digests)}Q", b"".join(digests))[words - 1::words])
 
 
-# A chain's prefixes are fingerprinted every this many blocks, and at the lengths
-# requests asked for (a conversation's turns, a resent prompt). Every block's (the
-# previous scheme) cost three Python calls a block after each new prompt was sent:
+# A chain's prefixes are fingerprinted at each of its first this many blocks (short
+# prompts, a conversation's first turns), then every this many blocks, and at the
+# lengths requests asked for (a conversation's turns, a resent prompt). Every block's
+# (the previous scheme) cost three Python calls a block after each new prompt was sent:
 # 512 of them for a cold 8k-token prompt, ~9% of a serving gateway's CPU on such
-# prompts (py-spy). Between two fingerprints a request past the last one it matches is
-# keyed in C from there (at most PRINT_STRIDE - 1 blocks, ~0.25 us each) and compared
-# with the chain's keys, so a prefix of a remembered chain still makes no new chain.
+# prompts (py-spy); now 48. Between two fingerprints a request past the last one it
+# matches is keyed in C from there (at most PRINT_STRIDE - 1 blocks, ~0.25 us each) and
+# compared with the chain's keys, so a prefix of a remembered chain makes no new chain.
 PRINT_STRIDE = 16
+
+
+def _print_at(i: int) -> int:
+    """The i-th (1-based) prefix length a chain may have a fingerprint at: 1, 2, ...,
+    PRINT_STRIDE, then 2 x PRINT_STRIDE, 3 x PRINT_STRIDE, ..."""
+    return i if i <= PRINT_STRIDE else PRINT_STRIDE * (i - PRINT_STRIDE + 1)
+
+
+def _prints_upto(n: int) -> int:
+    """How many of those lengths are at most n."""
+    return n if n <= PRINT_STRIDE else PRINT_STRIDE + n // PRINT_STRIDE - 1
 
 
 class ChainCache:
@@ -105,11 +117,11 @@ class ChainCache:
     A conversation resends its whole history each turn, and many users share system
     prompts. The fingerprint of a k-block prefix is xxh3-128 over (hash settings, salt)
     and the token bytes of blocks 0..k-1: far cheaper than vLLM's pickle+sha256 key, and
-    computed in C. A chain remembers the fingerprints of its prefixes every
-    PRINT_STRIDE blocks and at its requested lengths, each pointing at the chain. A
-    request first looks for its whole prompt (a resend, a conversation's previous turn
-    asked again), then finds its longest remembered multiple of the stride by binary
-    search (log2(n / PRINT_STRIDE) fingerprints, not n), then tries the found chain's
+    computed in C. A chain remembers the fingerprints of its first PRINT_STRIDE
+    prefixes, then of every PRINT_STRIDE-th, and of its requested lengths, each pointing
+    at the chain. A request first looks for its whole prompt (a resend, a conversation's
+    previous turn asked again), then finds its longest remembered one of those by binary
+    search (about log2(n / PRINT_STRIDE) fingerprints, not n), then tries the found chain's
     end beyond it (a conversation that grew a turn). It takes that chain's keys up to
     there and computes real keys only for the blocks after it (router.hashing.
     continue_keys, from the last remembered key: the history is not read again); where
@@ -119,7 +131,7 @@ class ChainCache:
 
     Eviction is LRU by chain, bounded in the blocks the chains hold. A chain's
     fingerprints are remembered and forgotten together, so presence is monotone along
-    a chain's multiples of the stride, which the binary search relies on; where a
+    those lengths of a chain, which the binary search relies on; where a
     branch's shared prefix went with the chain that owned it, the search finds a
     shorter prefix and the request hashes more: slower, never wrong.
     Thread-safe (called from the tokenizer pool).
@@ -167,15 +179,15 @@ class ChainCache:
                 self._chains.move_to_end(id(whole))
                 self.reused_blocks += n
                 return whole.event_keys[:n]
-            lo, hi = 0, n // PRINT_STRIDE  # the longest remembered multiple: lo strides
+            lo, hi = 0, _prints_upto(n)  # the longest remembered of those lengths
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                owner = self._memo.get(fingerprint(mid * PRINT_STRIDE))
+                owner = self._memo.get(fingerprint(_print_at(mid)))
                 if owner is None:
                     hi = mid - 1
                 else:
                     found, lo = owner, mid
-            reused = lo * PRINT_STRIDE
+            reused = _print_at(lo) if lo else 0
             if found is not None and reused < len(found.digests) < n:
                 end = len(found.digests)  # the turn before, for a conversation that grew
                 owner = self._memo.get(fingerprint(end))
@@ -239,10 +251,10 @@ class ChainCache:
     @staticmethod
     def _prints(head: bytes, data: memoryview, step: int, first: int, n: int) -> list[bytes]:
         """The fingerprints of the prefixes of first..n blocks that a chain remembers:
-        each multiple of PRINT_STRIDE among them, and n."""
-        ends = [*range(-(-first // PRINT_STRIDE) * PRINT_STRIDE, n, PRINT_STRIDE), n]
-        if ends[0] < first:
-            ends = ends[1:]
+        those at the lengths _print_at gives, and n."""
+        ends = [_print_at(i) for i in range(_prints_upto(first - 1) + 1, _prints_upto(n) + 1)]
+        if not ends or ends[-1] != n:
+            ends.append(n)
         fp = xxhash.xxh3_128(head)
         done = 0
         prints = []

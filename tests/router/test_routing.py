@@ -123,7 +123,7 @@ def test_chain_cache_is_bounded() -> None:
     for first in range(5):  # more chains: the oldest go, whole
         cache.event_keys(CONFIG, [first, *range(16 * 6)], None)
     assert cache.blocks <= 10 and len(cache._chains) == 1
-    assert len(cache._memo) == 1  # chain [4, ...]'s one fingerprint, at its 6 blocks
+    assert len(cache._memo) == 6  # chain [4, ...]'s fingerprints, one a block up to its 6
 
 
 def test_chain_cache_reuses_branches_and_repeats_exactly() -> None:
