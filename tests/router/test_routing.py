@@ -187,6 +187,18 @@ def test_chain_cache_grows_a_conversation_in_place_hashing_only_the_turn() -> No
     assert cache.blocks == 512 + 5 * 16 and len(cache._chains) == 1
 
 
+def test_chain_cache_grows_a_short_conversation_in_place_across_the_first_stride() -> None:
+    # Turns of 3 blocks from 5 to 29: under PRINT_STRIDE blocks a chain is found by its
+    # every-block fingerprints, past it by the stride's and its last turn's length.
+    cache = ChainCache()
+    history = list(range(16 * 5))
+    for turn in range(9):
+        keys = cache.event_keys(CONFIG, history, "s")
+        assert keys == [event_key(d) for d in chain_hashes(CONFIG, history, cache_salt="s")]
+        history += list(range(1000 * (turn + 1), 1000 * (turn + 1) + 48))
+    assert cache.hashed_blocks == 5 + 3 * 8 and len(cache._chains) == 1
+
+
 def test_chain_cache_branches_off_a_chain_that_grew_since() -> None:
     # A conversation grows in place; then a request shares only its first turns (a
     # retried turn, an edited message): the branch takes the grown chain's keys up to
