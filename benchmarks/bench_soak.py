@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="KV blocks per replica (the index holds at most these)")
     parser.add_argument("--chain-cache-blocks", type=int, default=None,
                         help="the gateway's limits.chain_cache_blocks (default 500,000: "
-                        "~135 MB, reached after ~150k requests of this workload)")
+                        "~65 MB at most)")
     args = parser.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="cacheroute-soak-"))

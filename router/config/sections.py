@@ -200,8 +200,10 @@ class LimitsConfig:
     max_n: int = 16
     max_tokens_limit: int = 131072
     # Prompt blocks whose keys the gateway remembers so a conversation's next turn hashes
-    # only its new blocks (router.routing.ChainCache): about 270 bytes each, so the
-    # default holds ~135 MB at most; a soak plateaus once it is full.
+    # only its new blocks (router.routing.ChainCache): about 130 bytes each (tracemalloc,
+    # new 8k-token prompts; 200 while every block had a fingerprint; a branch counts its
+    # shared prefix again, at 16 bytes a block), so the default holds ~65 MB at most; a
+    # soak plateaus once it is full.
     chain_cache_blocks: int = 500_000
 
 
