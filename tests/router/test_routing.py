@@ -9,6 +9,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -547,3 +549,14 @@ async def test_a_burst_over_one_new_prefix_sees_the_first_requests_whole_chain_p
         a.finish_keys(p.chains, p.pending)  # its own send, later: nothing left to do
         assert p.pending.blocks == held
     assert outcomes[0] == outcomes[1]
+
+
+def test_the_chain_cache_benchmark_runs_and_names_a_bad_value() -> None:
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_chain_cache.py"
+    done = subprocess.run([sys.executable, str(bench), "--blocks", "20", "--prompts", "3",
+                           "--rounds", "1"], capture_output=True, text=True, timeout=120,
+                          check=True)
+    assert "bytes / block" in done.stdout and "this checkout" in done.stdout
+    bad = subprocess.run([sys.executable, str(bench), "--prompts", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--prompts must be at least 1" in bad.stderr
