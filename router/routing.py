@@ -71,9 +71,9 @@ class KnownTokens:
 @dataclass
 class _Chain:
     """One remembered chain: its vLLM block keys, their event forms, and the
-    fingerprints through which the memo leads to it (every PRINT_STRIDE blocks and at
-    the lengths it was asked for). Plain bytes and ints: no per-block object for the
-    garbage collector to walk."""
+    fingerprints through which the memo leads to it (at its first PRINT_STRIDE blocks,
+    every PRINT_STRIDE-th after, and the lengths it was asked for). Plain bytes and
+    ints: no per-block object for the garbage collector to walk."""
 
     digests: list[bytes]
     event_keys: list[int]
