@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from router import lax_fields
+from router import lax_fields, template_lookup
 from router.chat_messages import developer_to_system, normalise_messages, normalise_tools
 from router.content_format import detect_content_format
 from router.lax_fields import Endpoint as Endpoint
@@ -230,6 +230,7 @@ class PromptTokenizer:
             )
         self.content_format = content_format
         self._detected_formats: dict[str, str] = {}
+        self._fast_templates: set[str] = set()  # those given template_lookup's shortcut
         # The replica's --chat-template, when it overrides the tokenizer's own.
         self._chat_template = chat_template
         self.vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
@@ -385,6 +386,10 @@ class PromptTokenizer:
         ):
             conversation = developer_to_system(conversation)
         template_kwargs = {**self._special_tokens_map, **kwargs}
+        if template not in self._fast_templates:
+            # A benign race: installing twice is a no-op (router/template_lookup.py).
+            template_lookup.speed_up(template)
+            self._fast_templates.add(template)
         try:
             # Annotated as str, but it returns (rendered chats, generation indices).
             result: Any = render_jinja_template(

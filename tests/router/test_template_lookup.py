@@ -1,0 +1,106 @@
+"""router.template_lookup: chat templates render the same text (or fail the same way)
+with the faster attribute lookup as in jinja's own sandbox, which vLLM renders in."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jinja2.exceptions import SecurityError, UndefinedError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from router import template_lookup
+from router.tokenize import PromptTokenizer
+
+
+class Obj:
+    role = "object"
+    content = "attr"
+
+    def __getitem__(self, key: str) -> str:
+        return f"item:{key}"
+
+
+TEMPLATES = [
+    # the usual reads, and what is absent
+    "{% for m in messages %}{{ m.role }}={{ m.content }};{% endfor %}",
+    "{% for m in messages %}{{ m.name is defined }}{{ m.tool_calls or '' }}|{% endfor %}",
+    "{{ messages[0].missing | default('dflt') }}",
+    # names a dict does have: the sandbox's path, its answers unchanged
+    "{% for m in messages %}{{ m.items() | list | length }}{{ m.get('role') }}{% endfor %}",
+    "{% for m in messages %}{{ m.keys is defined }}{{ m.copy is defined }}{% endfor %}",
+    "{{ messages[0].__class__ }}",
+    # nested dicts, a dict subclass, an object with attributes and items
+    "{{ tools[0].function.name }}/{{ tools[0].function.parameters.type }}",
+    "{{ od.role }}/{{ od.items() | list | length }}",
+    "{{ obj.role }}/{{ obj.content }}/{{ obj.other }}",
+    # a key shadowed by a dict method name: the method, as the sandbox gives it
+    "{{ shadow.items is callable }}/{{ shadow['items'] }}",
+]
+
+CONTEXT: dict[str, Any] = {
+    "messages": [{"role": "user", "content": "hi", "name": "ann"},
+                 {"role": "assistant", "content": "yo", "tool_calls": [{"id": "1"}]}],
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "od": OrderedDict(role="ordered"),
+    "obj": Obj(),
+    "shadow": {"items": "value"},
+}
+
+
+def _render(env: ImmutableSandboxedEnvironment, source: str) -> str:
+    try:
+        return env.from_string(source).render(**CONTEXT)
+    except (SecurityError, UndefinedError) as exc:
+        return f"raised {type(exc).__name__}: {exc}"
+
+
+@pytest.mark.parametrize("source", TEMPLATES)
+def test_same_text_as_the_sandbox(source: str) -> None:
+    fast = ImmutableSandboxedEnvironment()
+    assert template_lookup.install(fast)
+    assert _render(fast, source) == _render(ImmutableSandboxedEnvironment(), source)
+
+
+@pytest.mark.parametrize("source", [
+    "{{ messages[0].update({'role': 'x'}) }}",  # the immutable sandbox refuses to modify
+    "{{ messages.append(1) }}",
+    "{{ messages[0].nope.deeper }}",  # an undefined's attribute
+])
+def test_same_refusals_as_the_sandbox(source: str) -> None:
+    fast = ImmutableSandboxedEnvironment()
+    template_lookup.install(fast)
+    slow_result = _render(ImmutableSandboxedEnvironment(), source)
+    assert slow_result.startswith("raised")
+    assert _render(fast, source) == slow_result
+
+
+def test_install_is_idempotent_and_declines_what_is_not_an_environment() -> None:
+    env = ImmutableSandboxedEnvironment()
+    assert template_lookup.install(env)
+    first = env.getattr
+    assert template_lookup.install(env)
+    assert env.getattr is first  # not wrapped twice
+    assert not template_lookup.install(None)
+    assert not template_lookup.speed_up("{% for x in %}")  # does not compile: left alone
+
+
+def test_the_gateways_renders_use_it(tiny_model_dir: Path) -> None:
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    tok = PromptTokenizer.from_dir(tiny_model_dir)
+    body = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]}
+    text = tok.render_chat(body)
+    template = tok._hf.get_chat_template(None)
+    env = _compile_jinja_template(template).environment
+    assert getattr(env, "_cacheroute_fast_lookup", False)
+    # and the text is the sandbox's own
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    plain.globals.update(env.globals)
+    plain.filters.update(env.filters)
+    plain.tests.update(env.tests)
+    expected = plain.from_string(template).render(
+        messages=body["messages"], add_generation_prompt=True, **tok._special_tokens_map)
+    assert text == expected
