@@ -65,7 +65,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,6 +99,8 @@ from router.request import (  # noqa: E402
     validate_body,
 )
 from router.routing import (  # noqa: E402
+    DEFER_NEW_TEXT_CHARS,
+    ENCODE_OFFLOAD_CHARS,
     PROBE_BLOCKS,
     ChainCache,
     lookup_matches,
@@ -200,11 +202,34 @@ def agent_first_turn(tools: int, tool_words: int) -> Scenario:
     return Scenario(f"agent turn 1 ({tools} tools)", "/v1/chat/completions", bodies)
 
 
+def question_after_shared_prefix(prefix_tokens: int, question_words: int,
+                                 tokenizer: PromptTokenizer) -> Scenario:
+    """A new question of `question_words` words (~2 tokens each with the tiny model)
+    after a system prompt of ~`prefix_tokens` tokens every request shares: llm-d's
+    groups shape (loadgen's groups workload), where the gateway knows the prefix and has
+    never seen the question."""
+    unit = "You answer from the shared documents below. " + WORDS
+    per_unit = len(tokenizer.encode(unit, add_special_tokens=False))
+    system = unit * max(1, prefix_tokens // per_unit)
+    words = ("delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma", "omega")
+
+    def bodies(rng: random.Random) -> Iterator[dict[str, Any]]:
+        while True:
+            question = " ".join(f"{rng.choice(words)}{rng.randrange(100)}"
+                                for _ in range(question_words))
+            yield {"model": MODEL, "max_tokens": 1,
+                   "messages": [{"role": "system", "content": system},
+                                {"role": "user", "content": question}]}
+    return Scenario(f"new question after {prefix_tokens // 1000}k", "/v1/chat/completions",
+                    bodies)
+
+
 # ------------------------------------------------------------- 1. where the time goes
 
 STAGES = ("parse", "validate", "tokenize", "hash", "lookup", "decide", "serialize")
-# Keys a long new prompt has past its probe (router/routing.py PROBE_BLOCKS): computed
-# once the body is upstream, while the replica works; not in the total before sending.
+# Keys a long new prompt has past its probe (router/routing.py PROBE_BLOCKS), and a chat's
+# newest text (DEFER_NEW_TEXT_CHARS): computed once the body is upstream, while the
+# replica works; not in the total before sending.
 AFTER_SEND = "hash after send"
 
 
@@ -236,21 +261,37 @@ async def stage_profile(scenario: Scenario, tokenizer: PromptTokenizer, requests
                                limits=LimitsConfig(), tenant=tenant, registry=registry,
                                token_ids=ids)
         t2 = time.thread_time()
-        tokens = prompt_tokens(tokenizer, parsed) or []
+        # As the gateway prepares it: a chat's newest text, where it is long enough and
+        # no cache holds it, encoded once the request is upstream.
+        deferred = None
+        tokens: Sequence[int]
+        if scenario.endpoint == "chat":
+            text, special = tokenizer.chat_text(parsed.body)
+            if DEFER_NEW_TEXT_CHARS <= tokenizer.uncached_chars(text, special) \
+                    <= ENCODE_OFFLOAD_CHARS:
+                deferred = tokenizer.chat_ids_deferred(text, special, parsed.body,
+                                                       DEFER_NEW_TEXT_CHARS)
+            tokens = deferred.known if deferred is not None else \
+                tokenizer.chat_ids(text, special, parsed.body)
+        else:
+            tokens = prompt_tokens(tokenizer, parsed) or []
         t3 = time.thread_time()
         # As the gateway keys it: a long new part only through a probe before deciding.
-        keys = tuple(chains.event_keys(config, tokens, parsed.cache_salt, PROBE_BLOCKS))
+        keys = tuple(chains.event_keys(config, tokens, parsed.cache_salt,
+                                       None if deferred is not None else PROBE_BLOCKS))
         t4 = time.thread_time()
         lookup = await lookup_matches(index, MODEL, {config: keys}, members, 0.05)
         t5 = time.thread_time()
         states = [snapshot(r, lookup.matches.get(r.replica_id, 0), time.monotonic())
                   for r in fleet]
-        policy.decide(RoutingRequest(model=MODEL, keys=keys, num_prompt_tokens=len(tokens)),
-                      states)
+        policy.decide(RoutingRequest(model=MODEL, keys=keys, num_prompt_tokens=len(tokens)
+                                     if deferred is None else deferred.estimate), states)
         t6 = time.thread_time()
         upstream_payload(parsed, want_token_ids=False)
         t7 = time.thread_time()
-        if len(keys) < len(tokens) // BLOCK_SIZE:
+        if deferred is not None:  # the newest text, encoded and keyed once sent
+            chains.event_keys(config, deferred.finish(), parsed.cache_salt)
+        elif len(keys) < len(tokens) // BLOCK_SIZE:
             chains.event_keys(config, tokens, parsed.cache_salt)  # the rest, once sent
         t8 = time.thread_time()
         if n == 0:
@@ -612,7 +653,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = PromptTokenizer.from_dir(model_dir, max_model_len=MAX_MODEL_LEN)
     scenarios = [*(cold(int(s)) for s in args.cold_sizes.split(",")), growing(args.size),
                  growing(args.size, stream=True),
-                 chat(args.size, tokenizer), agent_first_turn(24, 180)]
+                 chat(args.size, tokenizer), agent_first_turn(24, 180),
+                 question_after_shared_prefix(3000, 300, tokenizer)]
     profiles = {s.name: asyncio.run(stage_profile(s, tokenizer, max(20, args.per_round)))
                 for s in scenarios}
     print_profile(profiles)

@@ -150,7 +150,7 @@ async def _admit_and_forward(gw: Gateway, request: web.Request, route: Route, te
                              parsed: ParsedRequest, served: list[Replica],
                              stages: Stages, turn: TurnLike) -> web.StreamResponse:
     assert gw.admission is not None
-    _check_context_length(gw, parsed, route.prompt.num_tokens)
+    _check_context_length(gw, parsed, route)
     await predict_batch(gw, route, served, turn)  # a batch reports its last prompt's cached tokens
     decision = route.decision
     if route.lookup.fallback is not None:
@@ -164,11 +164,8 @@ async def _admit_and_forward(gw: Gateway, request: web.Request, route: Route, te
     gw.metrics.record_tokenize(route.prompt.seconds)
     if not route.candidates:
         return json_error(503, "no replica serves this model", "service_unavailable")
-    if route.prompt.tokens:
-        finding = gw.hygiene.observe(tenant.tenant_id, route.prompt.tokens)
-        if finding is not None:
-            gw.metrics.record_hygiene(["prefix_divergence"])
-            log.warning("prompt hygiene: %s", finding.describe())
+    if route.prompt.rest is None:  # else once the rest is encoded (_forward)
+        _observe_hygiene(gw, tenant, route)
     candidate_ids = [r.replica_id for r in route.candidates]
     slot = gw.admission.try_acquire(candidate_ids)
     if slot is None:
@@ -190,7 +187,7 @@ async def _admit_and_forward(gw: Gateway, request: web.Request, route: Route, te
                       list(decision.relaxed))
         gw.metrics.record_routed(chosen.replica_id, decision.policy, route.prompt.num_tokens,
                                  route.predicted_for(chosen.replica_id), route.decision_seconds)
-        return await _forward(gw, request, route, candidates, stages, turn)
+        return await _forward(gw, request, route, candidates, stages, turn, tenant)
 
 
 def _overloaded(gw: Gateway, tenant: Tenant, exc: Overloaded) -> web.Response:
@@ -199,22 +196,42 @@ def _overloaded(gw: Gateway, tenant: Tenant, exc: Overloaded) -> web.Response:
                       headers={"Retry-After": exc.retry_after_header})
 
 
-def _check_context_length(gw: Gateway, parsed: ParsedRequest, prompt_tokens: int) -> None:
+def _observe_hygiene(gw: Gateway, tenant: Tenant, route: Route) -> None:
+    if route.prompt.tokens:
+        finding = gw.hygiene.observe(tenant.tenant_id, route.prompt.tokens)
+        if finding is not None:
+            gw.metrics.record_hygiene(["prefix_divergence"])
+            log.warning("prompt hygiene: %s", finding.describe())
+
+
+def _check_context_length(gw: Gateway, parsed: ParsedRequest, route: Route) -> None:
     """Refuse what vLLM 0.32 refuses for the prompt's length (its rule and words, see
     router/vllm_rules.py), before any replica spends a prefill on finding out; only where
-    the gateway knows the limit. A batch is checked by its first prompt (the one routed)."""
+    the gateway knows the limit. A batch is checked by its first prompt (the one routed).
+
+    A chat decided before its newest text was encoded passes on its bound where that
+    fits (the rule only tightens as the prompt grows); else its count must be exact, and
+    the text is encoded now."""
     tokenizer = gw.tokenizers.get(parsed.model)
     limit = tokenizer.max_model_len if tokenizer is not None else 0
-    if not limit or not prompt_tokens:
+    if not limit or not route.prompt.num_tokens:
         return
-    check_context(parsed.body, parsed.endpoint == "chat", prompt_tokens, limit,
-                  text_prompt=parsed.token_ids is None)
+    chat, text = parsed.endpoint == "chat", parsed.token_ids is None
+    if route.prompt.rest is not None:
+        try:
+            check_context(parsed.body, chat, route.prompt.at_most, limit, text_prompt=text)
+            return
+        except ClientError:
+            assert gw.pipeline is not None
+            route.finish_keys(gw.pipeline.chains, gw.pipeline.pending)
+    check_context(parsed.body, chat, route.prompt.num_tokens, limit, text_prompt=text)
 
 
 async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: list[Replica],
-                   stages: Stages, turn: TurnLike) -> web.StreamResponse:
+                   stages: Stages, turn: TurnLike, tenant: Tenant) -> web.StreamResponse:
     assert gw.forwarder is not None and gw.fleet is not None
     parsed = route.parsed
+    deferred = route.prompt.rest is not None  # its newest text is encoded once it is sent
     want_ids = any(r.mode == "record" for r in candidates)
     payload, strip = upstream_payload(parsed, want_token_ids=want_ids)
     headers = {"Content-Type": "application/json", "x-request-id": REQUEST_ID.get()}
@@ -270,6 +287,8 @@ async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: 
         if outcome.first_byte_at is not None:
             gw.metrics.record_first_byte(outcome.first_byte_at - stages.arrived)
         finish_keys()  # where no attempt got as far as sending
+        if deferred:
+            _observe_hygiene(gw, tenant, route)
         route.settle_pending(pipeline.pending, outcome.replica_id, outcome.status)
         if replica is not None and outcome.status == 200:
             expect_events(gw, replica, sent_at, outcome.prompt_tokens, outcome.cached_tokens)

@@ -67,14 +67,17 @@ class PendingChains:
         self._expire(now)
         handle = self._next
         self._next += 1
-        if not keys or self.ttl_s <= 0:
+        if self.ttl_s <= 0 or not (keys or unfinished):
             return handle
+        # Unfinished with no keys yet (a chat whose every keyed block its replica holds,
+        # its newest text encoded after sending): a route all the same, for `extend`.
         route = _Route(model, replica_id, (), now + self.ttl_s)
-        if unfinished is not None:
+        if unfinished is not None and keys:
             route.unfinished_at = keys[-1]
             self._unfinished[route.unfinished_at] = unfinished
         self._routes[handle] = route
-        self._hold(route, keys)
+        if keys:
+            self._hold(route, keys)
         return handle
 
     def extend(self, handle: int, keys: Sequence[int]) -> None:
@@ -159,6 +162,8 @@ class PendingChains:
         route = self._routes.pop(handle)
         if route.unfinished_at is not None:
             self._unfinished.pop(route.unfinished_at, None)
+        if not route.keys:
+            return
         scope = (route.model, route.replica_id)
         held = self._held[scope]
         for k in route.keys:

@@ -45,7 +45,7 @@ from router.replicas import Replica
 from router.request import ParsedRequest
 from router.shared_segments import SharedSegments
 from router.shared_work import NO_PEER_WORK, PeerWork, SharedWork
-from router.tokenize import PromptTokenizer
+from router.tokenize import DeferredIds, PromptTokenizer
 from router.vllm_rules import skips_prefix_cache
 
 
@@ -276,20 +276,27 @@ class PreparedPrompt:
     """The CPU-bound part of routing: token count and keys for each hash group.
 
     `complete` False: the keys stop at a probe (ChainCache.event_keys), and `completed`
-    gives the prompt with all of them."""
+    gives the prompt with all of them. A chat decided before its newest text was encoded
+    (`rest` set: tokens_off_the_loop_when_long's deferral) is not complete either: its
+    `tokens` are the ids before that text, all keyed, `num_tokens` is an estimate and
+    `at_most` a bound, and `completed` encodes the rest."""
 
     num_tokens: int
     tokens: Sequence[int] | None  # as the request gave them: a list or packed (not copied)
     keys: Mapping[HashConfig, tuple[int, ...]]
     seconds: float
     complete: bool = True
+    rest: Callable[[], Sequence[int]] | None = None
+    at_most: int = 0
 
     def completed(self, chains: ChainCache, cache_salt: str | None) -> PreparedPrompt:
         if self.complete or self.tokens is None:
             return self
-        keys = {config: tuple(chains.event_keys(config, self.tokens, cache_salt))
+        tokens = self.tokens if self.rest is None else self.rest()
+        keys = {config: tuple(chains.event_keys(config, tokens, cache_salt))
                 for config in self.keys}
-        return replace(self, keys=keys, complete=True)
+        return replace(self, tokens=tokens, num_tokens=len(tokens), keys=keys, complete=True,
+                       rest=None, at_most=len(tokens))
 
 
 def prepare_prompt(tokenizer: Tokenizer | None, chains: ChainCache, parsed: ParsedRequest,
@@ -312,11 +319,19 @@ def prepare_prompt(tokenizer: Tokenizer | None, chains: ChainCache, parsed: Pars
 ENCODE_OFFLOAD_CHARS = 8 * 1024
 
 
+# A chat's newest text (the last piece of it the segment cache lacks: a new question, a
+# tool's result) of at least this many characters, and at most ENCODE_OFFLOAD_CHARS, is
+# encoded after the request goes upstream (tokens_off_the_loop_when_long `defer`): some
+# 100 tokens and up, 0.1 ms and more of encoding in front of every such request, where no
+# replica can hold any of it.
+DEFER_NEW_TEXT_CHARS = 512
+
+
 async def tokens_off_the_loop_when_long(tokenizer: Tokenizer | None, parsed: ParsedRequest,
                                         executor: Executor,
                                         segments: SharedSegments | None = None,
-                                        turn: TurnLike = NO_TURN,
-                                        ) -> Sequence[int] | None:
+                                        turn: TurnLike = NO_TURN, defer: bool = False,
+                                        ) -> Sequence[int] | DeferredIds | None:
     """prompt_tokens, with only the Rust tokenizer's encoding of long text it has not
     seen leaving the event loop.
 
@@ -332,6 +347,15 @@ async def tokens_off_the_loop_when_long(tokenizer: Tokenizer | None, parsed: Par
 
     `turn` is the request's place in the arrival order (router/arrival_order.py): let go
     of while Redis or the tokenizer threads work.
+
+    `defer`: a chat whose newest text (DEFER_NEW_TEXT_CHARS to ENCODE_OFFLOAD_CHARS) no
+    gateway cache holds comes back as DeferredIds, the ids before that text, to be decided
+    on and finished once the request is on its way. Nothing a replica holds is missed:
+    holding is a run of blocks from token 0, and a replica can hold blocks of that text
+    only if the same prompt was routed before, which would have encoded it (in this
+    gateway's segment cache, or another's, and then pending or indexed as full keys). Older
+    pieces the cache lacks (a conversation that moved between gateways) are encoded
+    before deciding, as without deferral.
     """
     if parsed.token_ids is not None or not isinstance(tokenizer, PromptTokenizer):
         return prompt_tokens(tokenizer, parsed)
@@ -347,7 +371,13 @@ async def tokens_off_the_loop_when_long(tokenizer: Tokenizer | None, parsed: Par
                                                    tokenizer.vocab_size)
                 tokenizer.adopt(fetched)
                 missing = [p for p in missing if p not in fetched]
-        if tokenizer.uncached_chars(text, special) > ENCODE_OFFLOAD_CHARS:
+        uncached = tokenizer.uncached_chars(text, special)
+        if defer and DEFER_NEW_TEXT_CHARS <= uncached <= ENCODE_OFFLOAD_CHARS:
+            deferred = tokenizer.chat_ids_deferred(text, special, parsed.body,
+                                                   DEFER_NEW_TEXT_CHARS)
+            if deferred is not None:
+                return deferred
+        if uncached > ENCODE_OFFLOAD_CHARS:
             async with turn.away():
                 ids = await loop.run_in_executor(executor, tokenizer.chat_ids, text, special,
                                                  parsed.body)
@@ -380,6 +410,16 @@ def key_prompt(tokens: Sequence[int] | None, chains: ChainCache, groups: Iterabl
             complete = complete and len(keys[config]) == len(tokens) // config.block_size
     return PreparedPrompt(num_tokens=len(tokens) if tokens else 0, tokens=tokens if tokens else None,
                           keys=keys, seconds=time.perf_counter() - started, complete=complete)
+
+
+def deferred_prompt(ids: DeferredIds, chains: ChainCache, groups: Iterable[HashConfig],
+                    cache_salt: str | None, started: float) -> PreparedPrompt:
+    """A chat keyed through the ids before its newest text (all of them: no probe), not
+    complete until `completed` encodes that text."""
+    keys = {config: tuple(chains.event_keys(config, ids.known, cache_salt)) for config in groups}
+    return PreparedPrompt(num_tokens=ids.estimate, tokens=ids.known, keys=keys,
+                          seconds=time.perf_counter() - started, complete=False,
+                          rest=ids.finish, at_most=ids.at_most)
 
 
 def prompt_tokens(tokenizer: Tokenizer | None, parsed: ParsedRequest) -> Sequence[int] | None:
@@ -666,9 +706,14 @@ class RoutingPipeline:
             # shared work shows): alone, a fetch could only find what it encoded itself.
             alone = self.shared is not None and self.shared.alone
             tokens = await tokens_off_the_loop_when_long(
-                tokenizer, parsed, self.executor, None if alone else self.segments, turn)
-            prompt = key_prompt(tokens, self.chains, list(members), cache_salt, prepared,
-                                probe)
+                tokenizer, parsed, self.executor, None if alone else self.segments, turn,
+                defer_keys)
+            if isinstance(tokens, DeferredIds):
+                prompt = deferred_prompt(tokens, self.chains, list(members), cache_salt,
+                                         prepared)
+            else:
+                prompt = key_prompt(tokens, self.chains, list(members), cache_salt, prepared,
+                                    probe)
         else:
             prompt = prepare_prompt(tokenizer, self.chains, parsed, list(members), cache_salt,
                                     probe)
@@ -699,8 +744,11 @@ class RoutingPipeline:
         # must be pending before this one is decided (else a burst scatters).
         overlapping = self.pending is not None and any([
             self.pending.finish_overlapping(chain) for chain in readable.values()])
-        if not prompt.complete and (overlapping or _probe_held(readable, members, matches)):
-            # Some replica holds (or will) the whole probe: the rest decides how much.
+        if not prompt.complete and (overlapping or (
+                prompt.rest is None and _probe_held(readable, members, matches))):
+            # Some replica holds (or will) the whole probe: the rest decides how much. (A
+            # deferred chat's rest is text no replica holds; but a request sharing its
+            # prefix is in flight, maybe the same prompt: keyed whole, as that one.)
             prompt = prompt.completed(self.chains, cache_salt)
             readable = {} if skips else prompt.keys
             lookup = await lookup_matches(self.index, parsed.model, readable, members,

@@ -139,6 +139,12 @@ class SegmentCache:
         with self._lock:
             return self._entries.get(segment)
 
+    def peek_many(self, segments: Sequence[str]) -> list[tuple[int, ...] | None]:
+        """Each segment's ids if cached (not counted as a use), under one lock."""
+        with self._lock:
+            get = self._entries.get
+            return [get(segment) for segment in segments]
+
     def holds(self, segment: str) -> bool:
         """Whether `segment` is cached (not counted as a use; one being encoded is not)."""
         with self._lock:
@@ -202,6 +208,18 @@ def _segment_cache_is_exact(tokenizer_json: dict[str, Any]) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class DeferredIds:
+    """A rendered chat's ids up to its newest text, which is left to encode later
+    (PromptTokenizer.chat_ids_deferred): exact through `known`, an estimate and a bound
+    for the whole, and `finish` for all of its ids (what chat_ids gives)."""
+
+    known: list[int]
+    estimate: int  # the whole prompt's tokens, the new text's estimated
+    at_most: int  # the whole prompt has no more tokens than this
+    finish: Callable[[], list[int]]
+
+
 class PromptTokenizer:
     """Renders and tokenizes OpenAI request bodies as a vLLM replica of one model does."""
 
@@ -245,6 +263,9 @@ class PromptTokenizer:
         self._added_ids = {t["content"]: t["id"] for t in parsed.get("added_tokens", [])}
         self._splitter = re.compile("(" + "|".join(re.escape(t) for t in added) + ")") if added else None
         self._last_split: tuple[str, list[str]] | None = None
+        # Characters per token of the text encoded so far (its pieces of 64 characters or
+        # more, a moving average): how a deferred piece's tokens are estimated.
+        self.chars_per_token = 4.0
         self.segment_cache: SegmentCache | None = (
             SegmentCache(segment_cache_chars)
             if self._splitter is not None and _segment_cache_is_exact(parsed) else None
@@ -319,7 +340,10 @@ class PromptTokenizer:
         return pieces
 
     def _encode_segment(self, piece: str) -> tuple[int, ...]:
-        return tuple(self.encode(piece, add_special_tokens=False))
+        ids = tuple(self.encode(piece, add_special_tokens=False))
+        if len(piece) >= 64 and ids:  # a benign race between threads: a float
+            self.chars_per_token += 0.1 * (len(piece) / len(ids) - self.chars_per_token)
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids, special tokens included (to show what a prompt holds)."""
@@ -421,6 +445,56 @@ class PromptTokenizer:
         ids = (self.encode(text, add_special_tokens=True) if add_special_tokens
                else self.encode_cached(text))
         return _truncate(ids, body, self.max_model_len, "chat")
+
+    def chat_ids_deferred(self, text: str, add_special_tokens: bool, body: dict[str, Any],
+                          min_chars: int) -> DeferredIds | None:
+        """chat_ids without encoding the newest text yet: the ids before the last piece
+        the segment cache lacks (when it has `min_chars` or more), an estimate and a bound
+        of the whole, and a `finish` that encodes it all (as chat_ids). None where the ids
+        before that piece would not be the prompt's first: special tokens added, or the
+        prompt truncated from the left; and where there is nothing (or too little) new.
+
+        Pieces are split at added tokens, which BPE never merges across (the segment
+        cache's own argument), so the ids of the pieces before the new one are the
+        prompt's first ids whatever the new text is.
+        """
+        cache = self.segment_cache
+        if add_special_tokens or cache is None or \
+                lax_fields.field(body, "truncate_prompt_tokens", "chat") is not None:
+            return None
+        pieces = self._pieces(text)
+        if not pieces:
+            return None
+        added = self._added_ids
+        found = cache.peek_many(pieces)
+        last = next((i for i in range(len(pieces) - 1, -1, -1)
+                     if found[i] is None and pieces[i] not in added), -1)
+        if last < 1 or len(pieces[last]) < min_chars:
+            return None
+        known: list[int] = []
+        for piece, cached in zip(pieces[:last], found[:last], strict=True):
+            special = added.get(piece)
+            if special is not None:
+                known.append(special)
+            else:  # an older piece this gateway lacks: encoded now, as without deferral
+                known.extend(cached if cached is not None else
+                             cache.get_or_encode(piece, self._encode_segment))
+        estimate = at_most = len(known)
+        for piece, cached in zip(pieces[last:], found[last:], strict=True):
+            if piece in added:
+                exact = 1
+            elif cached is not None:
+                exact = len(cached)
+            else:
+                # No tokenizer the segment cache serves (no normalizer) makes more tokens
+                # than the text has UTF-8 bytes.
+                estimate += max(1, round(len(piece) / self.chars_per_token))
+                at_most += len(piece.encode()) + 1
+                continue
+            estimate += exact
+            at_most += exact
+        return DeferredIds(known, estimate, at_most,
+                           lambda: self.chat_ids(text, add_special_tokens, body))
 
     def uncached_chars(self, text: str, add_special_tokens: bool = False) -> int:
         """How much of `text` chat_ids would encode afresh: the segments the cache does

@@ -322,6 +322,76 @@ async def test_a_long_cold_prompt_ends_pending_whole_on_the_replica_it_went_to(
         assert follower.cached == 100 * 16
 
 
+async def test_a_chats_new_question_is_encoded_after_it_is_sent_and_its_count_stays_exact(
+        start_gateway: Any, tiny_model_dir: Path) -> None:
+    """A chat whose newest text no gateway has seen is decided on the ids before that text
+    and finished once sent (router/routing.py DEFER_NEW_TEXT_CHARS): it goes where its
+    system prompt is, ends up pending whole there, and the context check stays exact:
+    served where the bound would refuse but the count does not, refused in vLLM's words
+    where the count does too."""
+    from router.routing import DEFER_NEW_TEXT_CHARS
+
+    rng = random.Random(5)
+
+    def question(words: int) -> dict[str, str]:
+        return {"role": "user", "content": " ".join(
+            rng.choice(["delta", "epsilon", "zeta", "theta"]) + str(rng.randrange(50))
+            for _ in range(words))}
+
+    async with AsyncSimFleet(2, block_size=16, model_dir=tiny_model_dir,
+                             served_model_name=MODEL) as fleet:
+        gw = await start_gateway(gateway_config(
+            fleet.replicas, model=MODEL, port=free_port(),
+            models={MODEL: {"tokenizer": str(tiny_model_dir), "max_model_len": 2048}}))
+        assert gw.app_gateway is not None
+        tokenizer = gw.app_gateway.tokenizers[MODEL]
+        system = {"role": "system", "content": "You answer questions about old wells. " * 40}
+        first = await gw.post("/v1/chat/completions", {
+            "model": MODEL, "messages": [system, {"role": "user", "content": "hi"}],
+            "max_tokens": 2})
+        assert first.status == 200, first.body
+        home = first.headers["x-cacheroute-replica"]
+        ask = {"model": MODEL, "messages": [system, question(250)], "max_tokens": 2}
+        text = tokenizer.render_chat(ask)
+        assert DEFER_NEW_TEXT_CHARS <= tokenizer.uncached_chars(text)
+        ids = tokenizer.chat_tokens({**ask, "messages": ask["messages"][:1]})
+        # The bound (a token per UTF-8 byte of the question) is over the limit, the count
+        # is not.
+        assert len(ids) + len(ask["messages"][1]["content"]) > 2048 - 2
+        reply = await gw.post("/v1/chat/completions", ask)
+        assert reply.status == 200, reply.body
+        assert reply.headers["x-cacheroute-replica"] == home
+        whole = tokenizer.chat_tokens(ask)
+        assert reply.body["usage"]["prompt_tokens"] == len(whole) < 2048
+        # Then a question that fits its bound: decided before it is encoded.
+        short = {"model": MODEL, "messages": [system, question(120)], "max_tokens": 2}
+        pending = await bounded_entries(gw, "pending")
+        reply = await gw.post("/v1/chat/completions", short)
+        assert reply.status == 200, reply.body
+        assert reply.headers["x-cacheroute-replica"] == home
+        whole = tokenizer.chat_tokens(short)
+        # Its whole chain went pending (past the system prompt's blocks, held already),
+        # the question's blocks included.
+        assert await bounded_entries(gw, "pending") >= pending + \
+            (len(whole) - len(ids)) // 16 - 1
+        # A follower resending it goes there, and finds it all cached.
+        follow = {**short, "messages": [*short["messages"], {"role": "assistant", "content": "ok"},
+                                        {"role": "user", "content": "and?"}]}
+        reply = await gw.post("/v1/chat/completions", follow)
+        assert reply.status == 200, reply.body
+        assert reply.headers["x-cacheroute-replica"] == home
+        assert reply.cached >= len(whole) // 16 * 16 - 16
+        # Over the limit by its count: refused by the gateway as vLLM would, exactly.
+        served = [await sim_gauge(gw.session, r.url, "vllm:time_to_first_token_seconds_count")
+                  for r in fleet.replicas]
+        long = {"model": MODEL, "messages": [system, question(700)], "max_tokens": 2}
+        reply = await gw.post("/v1/chat/completions", long)
+        assert reply.status == 400, reply.body
+        assert "maximum context length is 2048 tokens" in reply.body["error"]["message"]
+        assert [await sim_gauge(gw.session, r.url, "vllm:time_to_first_token_seconds_count")
+                for r in fleet.replicas] == served
+
+
 async def test_the_harness_warms_a_gateways_tokenizer_with_shared_prefixes_only(
         start_gateway: Any, http: aiohttp.ClientSession, tiny_model_dir: Path) -> None:
     """loadgen compare's --warm-shared-prefixes: what an agent's sessions share (system

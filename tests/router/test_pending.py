@@ -97,3 +97,22 @@ def test_an_unfinished_route_is_finished_by_the_first_request_sharing_its_last_k
     pending.add("m", "r0", [5, 6], now=0.0, unfinished=lambda: finished.append("late"))
     pending.add("m", "r2", [9], now=20.0)
     assert not pending.finish_overlapping([5, 6]) and finished == ["a"]
+
+
+def test_an_unfinished_route_with_no_keys_yet_is_kept_for_its_rest() -> None:
+    # A chat whose keyed blocks its replica holds already, decided before its newest
+    # text was encoded: nothing to hold yet, but the rest, keyed after sending, must
+    # still go pending there (continuing the replica's indexed run).
+    pending = PendingChains(ttl_s=10.0)
+    handle = pending.add("m", "r0", [], now=0.0, unfinished=lambda: None)
+    assert pending.blocks == 0 and len(pending) == 1
+    assert not pending.finish_overlapping([1, 2])  # no last key: nothing to share
+    pending.extend(handle, [3, 4])
+    assert pending.matches("m", [1, 2, 3, 4, 5], ["r0"], now=1.0, known={"r0": 2}) == {"r0": 4}
+    pending.drop(handle)
+    assert pending.blocks == 0 and len(pending) == 0
+    # without a rest to come, no keys make no route; expiry of an empty one is clean
+    assert pending.add("m", "r0", [], now=0.0) >= 0 and len(pending) == 0
+    pending.add("m", "r1", [], now=0.0, unfinished=lambda: None)
+    pending.add("m", "r2", [9], now=20.0)
+    assert len(pending) == 1 and pending.blocks == 1

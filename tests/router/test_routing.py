@@ -39,7 +39,7 @@ from router.routing import (
     tokens_off_the_loop_when_long,
 )
 from router.tenants import TenantRegistry
-from router.tokenize import PromptTokenizer
+from router.tokenize import DeferredIds, PromptTokenizer
 
 CONFIG = HashConfig(block_size=16)
 
@@ -450,6 +450,99 @@ async def test_only_a_long_encode_of_unseen_text_leaves_the_event_loop(
         short = _parsed({"model": "m", "prompt": "delta epsilon"}, "completions")
         await tokens_off_the_loop_when_long(tok, short, pool)
         assert pool.calls == 2
+    finally:
+        pool.shutdown()
+
+
+def _question(seed: int, words: int = 200) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(["delta", "epsilon", "zeta", "eta", "theta", "iota"]) +
+                    str(rng.randrange(100)) for _ in range(words))
+
+
+async def test_a_chats_new_question_is_encoded_after_deciding_and_keys_end_the_same(
+        tiny_model_dir: Path) -> None:
+    # A shared system prompt the gateway has seen, then a new 1,400-character question:
+    # the decision is made on the system prompt's ids (no replica can hold the question),
+    # the same decision as with every id up front, and once finished the prompt's ids,
+    # keys and pending chain are those of the whole prompt.
+    tok = await asyncio.to_thread(PromptTokenizer.from_dir, tiny_model_dir)
+    system = {"role": "system", "content": "You answer questions about wells. " * 60}
+    tok.chat_tokens({"messages": [system, {"role": "user", "content": "hi"}]})  # seen
+    body = {"model": "m", "messages": [system, {"role": "user", "content": _question(1)}],
+            "max_tokens": 4}
+    whole = tok.chat_tokens(body)
+    outcomes = []
+    for defer in (True, False):
+        fleet = replicas(3)
+        index = MemoryIndex()
+        shared = [event_key(d) for d in chain_hashes(CONFIG, whole)][:20]
+        await index.add("m", "r1", shared)  # r1 holds the system prompt
+        fresh = await asyncio.to_thread(PromptTokenizer.from_dir, tiny_model_dir)
+        fresh.chat_tokens({"messages": [system, {"role": "user", "content": "hi"}]})
+        p = RoutingPipeline(tokenizers={"m": fresh}, chains=ChainCache(), index=index,
+                            policy=build_policy(PolicyConfig(seed=1, tolerance=0.0)),
+                            index_deadline_s=1.0, pending=PendingChains(ttl_s=10.0),
+                            executor=ThreadPoolExecutor(1))
+        route = await p.route(_parsed(body, "chat"), fleet, time.monotonic(), tenant="t",
+                              cache_salt=None, reserve=True, defer_keys=defer)
+        assert route.prompt.complete is not defer
+        if defer:
+            assert route.prompt.rest is not None and route.prompt.tokens is not None
+            known = list(route.prompt.tokens)
+            assert known == whole[:len(known)] and len(known) < len(whole) - 200
+            # an estimate near the truth, and a bound above it
+            assert 0.5 * len(whole) < route.prompt.num_tokens < 2 * len(whole)
+            assert route.prompt.at_most >= len(whole)
+            assert fresh.segment_cache is not None
+            assert not fresh.segment_cache.holds(body["messages"][1]["content"])
+        outcomes.append((route.decision.replica_id, route.decision.predicted_cached))
+        route.finish_keys(p.chains, p.pending)
+        assert route.prompt.complete and list(route.prompt.tokens or ()) == whole
+        full = [event_key(d) for d in chain_hashes(CONFIG, whole)]
+        assert list(route.prompt.keys[CONFIG]) == full
+        assert p.pending is not None
+        assert p.pending.matches("m", full, ["r0", "r1", "r2"], time.monotonic(),
+                                 {"r1": 20}) == {"r1": len(full)}
+    assert outcomes[0] == outcomes[1] and outcomes[0][0] == "r1"
+
+
+async def test_a_chat_is_not_deferred_where_its_first_ids_could_differ(
+        tiny_model_dir: Path) -> None:
+    tok = await asyncio.to_thread(PromptTokenizer.from_dir, tiny_model_dir)
+    system = {"role": "system", "content": "Be brief. " * 40}
+    tok.chat_tokens({"messages": [system, {"role": "user", "content": "hi"}]})
+    question = {"role": "user", "content": _question(2)}
+    pool = CountingExecutor()
+    try:
+        plain = {"model": "m", "messages": [system, question]}
+        got = await tokens_off_the_loop_when_long(tok, _parsed(plain, "chat"), pool, defer=True)
+        assert isinstance(got, DeferredIds)
+        assert got.finish() == tok.chat_tokens(plain)
+        for seed, extra in ((6, {"truncate_prompt_tokens": 100}), (7, {"add_special_tokens": True})):
+            body = {"model": "m", "messages": [system, {"role": "user", "content": _question(seed)}],
+                    **extra}
+            got = await tokens_off_the_loop_when_long(tok, _parsed(body, "chat"), pool,
+                                                      defer=True)
+            assert not isinstance(got, DeferredIds)  # ids, encoded before deciding
+            assert got == tok.chat_tokens(body)
+        # a short new question, or nothing new at all: encoded as before
+        short = {"model": "m", "messages": [system, {"role": "user", "content": "why?"}]}
+        assert await tokens_off_the_loop_when_long(tok, _parsed(short, "chat"), pool,
+                                                   defer=True) == tok.chat_tokens(short)
+        assert await tokens_off_the_loop_when_long(tok, _parsed(plain, "chat"), pool,
+                                                   defer=True) == tok.chat_tokens(plain)
+        # an older piece the cache lacks (a conversation new to this gateway) is encoded
+        # now; only the newest is deferred
+        older = {"model": "m", "messages": [
+            system, {"role": "user", "content": _question(3)},
+            {"role": "assistant", "content": _question(4)}, {"role": "user", "content": _question(5)}]}
+        got = await tokens_off_the_loop_when_long(tok, _parsed(older, "chat"), pool, defer=True)
+        assert isinstance(got, DeferredIds)
+        whole = tok.chat_tokens(older)
+        assert got.known == whole[:len(got.known)]
+        assert len(got.known) > len(tok.chat_tokens({"messages": older["messages"][:3]})) - 10
+        assert pool.calls == 0
     finally:
         pool.shutdown()
 
