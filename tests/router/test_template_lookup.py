@@ -104,3 +104,17 @@ def test_the_gateways_renders_use_it(tiny_model_dir: Path) -> None:
     expected = plain.from_string(template).render(
         messages=body["messages"], add_generation_prompt=True, **tok._special_tokens_map)
     assert text == expected
+
+
+def test_the_template_benchmark_runs_and_names_a_bad_value(tiny_model_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_template.py"
+    done = subprocess.run([sys.executable, str(bench), "--rounds", "2", "--renders", "3",
+                           "--turns", "2", "--tools", "2", "--model-dir", str(tiny_model_dir)],
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.count("(same text)") == 2 and "shortcut" in done.stdout
+    bad = subprocess.run([sys.executable, str(bench), "--renders", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--renders must be at least 1, got 0" in bad.stderr
