@@ -185,7 +185,8 @@ async def _admit_and_forward(gw: Gateway, request: web.Request, route: Route, te
                       decision.predicted_cached.get(chosen.replica_id, 0),
                       {rid: round(c * 1000, 1) for rid, c in decision.costs.items()},
                       list(decision.relaxed))
-        gw.metrics.record_routed(chosen.replica_id, decision.policy, route.prompt.num_tokens,
+        gw.metrics.record_routed(chosen.replica_id, decision.policy,
+                                 route.prompt.num_tokens if route.prompt.rest is None else None,
                                  route.predicted_for(chosen.replica_id), route.decision_seconds)
         return await _forward(gw, request, route, candidates, stages, turn, tenant)
 
@@ -287,8 +288,10 @@ async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: 
         if outcome.first_byte_at is not None:
             gw.metrics.record_first_byte(outcome.first_byte_at - stages.arrived)
         finish_keys()  # where no attempt got as far as sending
-        if deferred:
+        if deferred:  # what waited for the whole prompt
             _observe_hygiene(gw, tenant, route)
+            gw.metrics.record_routed_prompt_tokens(candidates[0].replica_id,
+                                                   route.decision.policy, route.prompt.num_tokens)
         route.settle_pending(pipeline.pending, outcome.replica_id, outcome.status)
         if replica is not None and outcome.status == 200:
             expect_events(gw, replica, sent_at, outcome.prompt_tokens, outcome.cached_tokens)

@@ -251,13 +251,19 @@ class GatewayMetrics:
         """Count one answered request."""
         self._child(self.requests, endpoint, str(status)).inc()
 
-    def record_routed(self, replica: str, policy: str, prompt_tokens: int,
+    def record_routed(self, replica: str, policy: str, prompt_tokens: int | None,
                       predicted_cached_tokens: int, decision_seconds: float) -> None:
-        """Count one forwarded request and what the policy expected of it."""
+        """Count one forwarded request and what the policy expected of it; its prompt
+        tokens where known (None: a chat whose newest text is encoded once sent, counted
+        then by record_routed_prompt_tokens)."""
         self._child(self.routed, replica, policy).inc()
-        self._child(self.prompt_tokens, replica, policy).inc(prompt_tokens)
+        if prompt_tokens is not None:
+            self.record_routed_prompt_tokens(replica, policy, prompt_tokens)
         self._child(self.predicted_cached, replica, policy).inc(predicted_cached_tokens)
         self._child(self.decision_latency, policy).observe(decision_seconds)
+
+    def record_routed_prompt_tokens(self, replica: str, policy: str, prompt_tokens: int) -> None:
+        self._child(self.prompt_tokens, replica, policy).inc(prompt_tokens)
 
     def record_actual(self, replica: str, policy: str, prompt_tokens: int,
                       cached_tokens: int, predicted_cached_tokens: int) -> None:

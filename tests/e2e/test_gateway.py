@@ -381,6 +381,13 @@ async def test_a_chats_new_question_is_encoded_after_it_is_sent_and_its_count_st
         assert reply.status == 200, reply.body
         assert reply.headers["x-cacheroute-replica"] == home
         assert reply.cached >= len(whole) // 16 * 16 - 16
+        # The prompt tokens it counts as forwarded are the replicas' own (the deferred
+        # ones counted once whole, not as estimated).
+        _, text = await gw.get("/metrics")
+        counted = sum(float(line.split()[-1]) for line in text.splitlines()
+                      if line.startswith("cacheroute_prompt_tokens_total{"))
+        assert counted == sum(r.body["usage"]["prompt_tokens"] for r in gw.replies
+                              if r.status == 200 and "usage" in r.body)
         # Over the limit by its count: refused by the gateway as vLLM would, exactly.
         served = [await sim_gauge(gw.session, r.url, "vllm:time_to_first_token_seconds_count")
                   for r in fleet.replicas]
