@@ -348,14 +348,16 @@ async def tokens_off_the_loop_when_long(tokenizer: Tokenizer | None, parsed: Par
     `turn` is the request's place in the arrival order (router/arrival_order.py): let go
     of while Redis or the tokenizer threads work.
 
-    `defer`: a chat whose newest text (DEFER_NEW_TEXT_CHARS to ENCODE_OFFLOAD_CHARS) no
-    gateway cache holds comes back as DeferredIds, the ids before that text, to be decided
+    `defer`: a chat whose newest text (DEFER_NEW_TEXT_CHARS to ENCODE_OFFLOAD_CHARS) this
+    gateway's segment cache lacks comes back as DeferredIds, the ids before that text, to be decided
     on and finished once the request is on its way. Nothing a replica holds is missed:
     holding is a run of blocks from token 0, and a replica can hold blocks of that text
     only if the same prompt was routed before, which would have encoded it (in this
-    gateway's segment cache, or another's, and then pending or indexed as full keys). Older
-    pieces the cache lacks (a conversation that moved between gateways) are encoded
-    before deciding, as without deferral.
+    gateway's segment cache, and then pending or indexed as full keys). The case it can
+    miss: the same prompt sent again through another gateway (a client's retry), whose
+    replica holds the text too; decided on its prefix, it still goes where that prefix
+    is, most often the same replica. Older pieces the cache lacks (a conversation that
+    moved between gateways) are encoded before deciding, as without deferral.
     """
     if parsed.token_ids is not None or not isinstance(tokenizer, PromptTokenizer):
         return prompt_tokens(tokenizer, parsed)
@@ -376,6 +378,7 @@ async def tokens_off_the_loop_when_long(tokenizer: Tokenizer | None, parsed: Par
             deferred = tokenizer.chat_ids_deferred(text, special, parsed.body,
                                                    DEFER_NEW_TEXT_CHARS)
             if deferred is not None:
+                _report_segments(tokenizer, segments, missing)  # those encoded by now
                 return deferred
         if uncached > ENCODE_OFFLOAD_CHARS:
             async with turn.away():
@@ -383,9 +386,7 @@ async def tokens_off_the_loop_when_long(tokenizer: Tokenizer | None, parsed: Par
                                                  parsed.body)
         else:
             ids = tokenizer.chat_ids(text, special, parsed.body)
-        if segments is not None and missing:
-            segments.report(tokenizer.identity, [(p, cached) for p in missing
-                                                 if (cached := tokenizer.cached_ids(p)) is not None])
+        _report_segments(tokenizer, segments, missing)
         return ids
     prompt = parsed.body.get("prompt")
     texts = [prompt] if isinstance(prompt, str) else \
@@ -394,6 +395,14 @@ async def tokens_off_the_loop_when_long(tokenizer: Tokenizer | None, parsed: Par
         async with turn.away():
             return await loop.run_in_executor(executor, prompt_tokens, tokenizer, parsed)
     return prompt_tokens(tokenizer, parsed)
+
+
+def _report_segments(tokenizer: PromptTokenizer, segments: SharedSegments | None,
+                     missing: list[str]) -> None:
+    """Tell the other gateways which of the long pieces Redis lacked this one encoded."""
+    if segments is not None and missing:
+        segments.report(tokenizer.identity, [(p, cached) for p in missing
+                                             if (cached := tokenizer.cached_ids(p)) is not None])
 
 
 def key_prompt(tokens: Sequence[int] | None, chains: ChainCache, groups: Iterable[HashConfig],
