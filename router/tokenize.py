@@ -314,9 +314,15 @@ class PromptTokenizer:
         pieces = self._pieces(text)
         if cache is None or pieces is None:
             return self.encode(text, add_special_tokens=False)
+        return self._joined_ids(cache, pieces, cache.lookup(pieces))
+
+    def _joined_ids(self, cache: SegmentCache, pieces: Sequence[str],
+                    found: Sequence[tuple[int, ...] | None]) -> list[int]:
+        """The ids of `pieces` one after another: an added token's own id, a piece's
+        cached ids (`found`), or encoded now (and cached)."""
         ids: list[int] = []
         added = self._added_ids
-        for piece, cached in zip(pieces, cache.lookup(pieces), strict=True):
+        for piece, cached in zip(pieces, found, strict=True):
             special = added.get(piece)
             if special is not None:
                 ids.append(special)
@@ -471,14 +477,8 @@ class PromptTokenizer:
                      if found[i] is None and pieces[i] not in added), -1)
         if last < 1 or len(pieces[last]) < min_chars:
             return None
-        known: list[int] = []
-        for piece, cached in zip(pieces[:last], found[:last], strict=True):
-            special = added.get(piece)
-            if special is not None:
-                known.append(special)
-            else:  # an older piece this gateway lacks: encoded now, as without deferral
-                known.extend(cached if cached is not None else
-                             cache.get_or_encode(piece, self._encode_segment))
+        # An older piece this gateway lacks is encoded now, as without deferral.
+        known = self._joined_ids(cache, pieces[:last], found[:last])
         estimate = at_most = len(known)
         for piece, cached in zip(pieces[last:], found[last:], strict=True):
             if piece in added:
