@@ -21,7 +21,7 @@ import gc
 import logging
 import os
 import random
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
@@ -31,11 +31,12 @@ from prometheus_client.core import Metric
 from router.admin import build_admin_app
 from router.admission import Admission
 from router.arrival_order import ArrivalOrder
-from router.completions import handle_completion
+from router.completions import complete, handle_completion
 from router.config import GatewayConfig
 from router.endpoints import handle_by_model, handle_conversation, handle_version
 from router.event_watch import watch_event_silence
 from router.events import EventIndexer, ReplicaFeed, wait_caught_up
+from router.front_http import FrontConnection, FrontRequest, drain, send_whole
 from router.gateway import GATEWAY, INDEX_OP_TIMEOUT_S, REQUEST_ID, Gateway, ignore_errors
 from router.handlers import (
     handle_health,
@@ -44,6 +45,7 @@ from router.handlers import (
     handle_openapi,
     handle_ready,
     request_context,
+    run_handler,
 )
 from router.index import (
     IndexUnavailable,
@@ -66,7 +68,7 @@ from router.metrics import (
 from router.pending import PendingChains
 from router.policy.pipeline import build_policy
 from router.proxy import Forwarder
-from router.read_deadline import ReadDeadlineSite
+from router.read_deadline import FrontFactory, ReadDeadlineSite
 from router.replicas import Fleet, Replica, ReplicaSource, verify_keys
 from router.routing import ChainCache, RoutingPipeline
 from router.shared_segments import SharedSegments
@@ -442,12 +444,16 @@ def build_app(config: GatewayConfig, *, tenants: TenantRegistry | None = None,
 @contextlib.asynccontextmanager
 async def running_gateway(app: web.Application, host: str, port: int, *,
                           shutdown_timeout: float = 10.0,
-                          reuse_port: bool = False) -> AsyncIterator[web.AppRunner]:
+                          reuse_port: bool = False,
+                          response_headers: Mapping[str, str] | None = None,
+                          ) -> AsyncIterator[web.AppRunner]:
     """Serve `app` on host:port until the block exits (handler cancellation on), and
     its admin listener on listen.admin_port when that is set (router/admin.py).
 
     With `reuse_port`, other processes may listen on the same port (SO_REUSEPORT): the
-    kernel spreads new connections over them.
+    kernel spreads new connections over them. With listen.fast_front the completion
+    endpoints are read by router/front_http.py first; `response_headers` go on its
+    answers (aiohttp's have app.on_response_prepare).
     """
     listen = app[GATEWAY].config.listen
     # HTTP framing limits, explicit because they are a security property: a request line
@@ -463,12 +469,45 @@ async def running_gateway(app: web.Application, host: str, port: int, *,
                                      max_line_size=MAX_LINE_BYTES,
                                      max_field_size=MAX_LINE_BYTES, max_headers=MAX_HEADERS))
         binds.append((listen.admin_host or host, listen.admin_port))
+    connections: set[FrontConnection] = set()
+    front = _fast_front(app, connections, dict(response_headers or {})) \
+        if listen.fast_front else None
+    sites: list[ReadDeadlineSite] = []
     try:
-        for runner, (bind_host, bind_port) in zip(runners, binds, strict=True):
+        for i, (runner, (bind_host, bind_port)) in enumerate(zip(runners, binds, strict=True)):
             await runner.setup()
-            await ReadDeadlineSite(runner, bind_host, bind_port, reuse_port=reuse_port,
-                                   read_timeout_s=listen.request_read_timeout_s).start()
+            site = ReadDeadlineSite(runner, bind_host, bind_port, reuse_port=reuse_port,
+                                    read_timeout_s=listen.request_read_timeout_s,
+                                    front=front if i == 0 else None)
+            await site.start()
+            sites.append(site)
         yield runners[0]
     finally:
+        if connections:
+            # Stop taking connections, then let the fast front's answers finish as
+            # aiohttp's own do (runner.cleanup), before the app's resources close.
+            await sites[0].stop()
+            await drain(connections, shutdown_timeout)
         for runner in reversed(runners):
             await runner.cleanup()
+
+
+def _fast_front(app: web.Application, connections: set[FrontConnection],
+                response_headers: dict[str, str]) -> FrontFactory:
+    """How each connection of the API listener is served first (router/front_http.py)."""
+    config = app[GATEWAY].config
+
+    async def serve(request: FrontRequest) -> None:
+        response = await run_handler(request, complete)
+        if not request.answered and isinstance(response, web.Response):
+            with contextlib.suppress(ConnectionError):  # the client went away
+                send_whole(request, response)
+
+    def make(aiohttp_side: Callable[[], asyncio.Protocol]) -> asyncio.Protocol:
+        return FrontConnection(app, serve, aiohttp_side,
+                               max_body_bytes=config.proxy.max_body_bytes,
+                               read_timeout_s=config.listen.request_read_timeout_s,
+                               max_line_bytes=MAX_LINE_BYTES, max_headers=MAX_HEADERS,
+                               registry=connections, extra_headers=response_headers)
+
+    return make

@@ -13,6 +13,7 @@ from router.admission import Overloaded
 from router.arrival_order import NO_TURN, TurnLike
 from router.batches import predict_batch
 from router.event_watch import expect_events
+from router.front_http import AnyRequest, AnyResponse, FrontRequest, send_whole
 from router.gateway import (
     GATEWAY,
     REQUEST_ID,
@@ -38,8 +39,10 @@ log = logging.getLogger(__name__)
 _FORWARDED_HEADERS = ("traceparent", "tracestate", "baggage")
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
+async def _read_body(request: AnyRequest, limit: int) -> bytes:
     """The body, refusing more than `limit` bytes without reading them all."""
+    if isinstance(request, FrontRequest):
+        return request.body  # read whole by the fast front, which checked the limit
     if request.content_length is not None and request.content_length > limit:
         raise ClientError(f"request body exceeds {limit} bytes", status=413)
     chunks: list[bytes] = []
@@ -91,7 +94,15 @@ class Stages:
 
 
 async def handle_completion(request: web.Request) -> web.StreamResponse:
-    """POST /v1/chat/completions and /v1/completions: route, forward, record."""
+    """POST /v1/chat/completions and /v1/completions through aiohttp's server."""
+    response = await complete(request)
+    assert isinstance(response, web.StreamResponse)
+    return response
+
+
+async def complete(request: AnyRequest) -> AnyResponse:
+    """POST /v1/chat/completions and /v1/completions: route, forward, record (from
+    aiohttp's server or the fast front, router/front_http.py)."""
     gw = request.app[GATEWAY]
     assert gw.fleet is not None and gw.pipeline is not None and gw.forwarder is not None
     stages = Stages(time.perf_counter())
@@ -103,8 +114,8 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
         return await _route_and_forward(gw, request, raw, tenant, stages, turn)
 
 
-async def _route_and_forward(gw: Gateway, request: web.Request, raw: bytes, tenant: Tenant,
-                             stages: Stages, turn: TurnLike) -> web.StreamResponse:
+async def _route_and_forward(gw: Gateway, request: AnyRequest, raw: bytes, tenant: Tenant,
+                             stages: Stages, turn: TurnLike) -> AnyResponse:
     assert gw.fleet is not None and gw.pipeline is not None
     # On the loop whatever its size: msgspec holds the GIL while it decodes (~40 ns a
     # prompt token, 1.3 ms at 32k), so a thread would stall the loop as long, plus the
@@ -146,9 +157,9 @@ async def _route_and_forward(gw: Gateway, request: web.Request, raw: bytes, tena
             route.drop_pending(gw.pipeline.pending)
 
 
-async def _admit_and_forward(gw: Gateway, request: web.Request, route: Route, tenant: Tenant,
+async def _admit_and_forward(gw: Gateway, request: AnyRequest, route: Route, tenant: Tenant,
                              parsed: ParsedRequest, served: list[Replica],
-                             stages: Stages, turn: TurnLike) -> web.StreamResponse:
+                             stages: Stages, turn: TurnLike) -> AnyResponse:
     assert gw.admission is not None
     _check_context_length(gw, parsed, route)
     await predict_batch(gw, route, served, turn)  # a batch reports its last prompt's cached tokens
@@ -228,8 +239,8 @@ def _check_context_length(gw: Gateway, parsed: ParsedRequest, route: Route) -> N
     check_context(parsed.body, chat, route.prompt.num_tokens, limit, text_prompt=text)
 
 
-async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: list[Replica],
-                   stages: Stages, turn: TurnLike, tenant: Tenant) -> web.StreamResponse:
+async def _forward(gw: Gateway, request: AnyRequest, route: Route, candidates: list[Replica],
+                   stages: Stages, turn: TurnLike, tenant: Tenant) -> AnyResponse:
     assert gw.forwarder is not None and gw.fleet is not None
     parsed = route.parsed
     deferred = route.prompt.rest is not None  # its newest text is encoded once it is sent
@@ -305,7 +316,7 @@ async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: 
                                                             outcome.output_token_ids)), "record")
                 await asyncio.wait([task], timeout=gw.config.index.deadline_ms / 1000.0)
     except Exception:
-        if not response.prepared:
+        if not (response.prepared or (isinstance(request, FrontRequest) and request.answered)):
             raise
         # The client has its answer: a failure here must not become a second response on
         # the same connection (the middleware's error answer).
@@ -313,7 +324,7 @@ async def _forward(gw: Gateway, request: web.Request, route: Route, candidates: 
     return response
 
 
-async def _answer_now(request: web.Request, response: web.StreamResponse) -> None:
+async def _answer_now(request: AnyRequest, response: AnyResponse) -> None:
     """Send a whole (non-streamed) answer before the request's bookkeeping, not after.
 
     aiohttp writes a returned response only once the handler is done, and what remains
@@ -326,10 +337,15 @@ async def _answer_now(request: web.Request, response: web.StreamResponse) -> Non
         return
     response.headers.setdefault("x-request-id", REQUEST_ID.get())
     try:
-        await response.prepare(request)
-        await response.write_eof()
+        if isinstance(request, FrontRequest):
+            assert isinstance(response, web.StreamResponse)
+            send_whole(request, response)
+        else:
+            assert isinstance(response, web.StreamResponse)
+            await response.prepare(request)
+            await response.write_eof()
     except ConnectionError:
-        pass  # the client went away: the bookkeeping still runs, aiohttp closes it
+        pass  # the client went away: the bookkeeping still runs, the server closes it
 
 
 async def _remote_tokens(gw: Gateway, parsed: ParsedRequest,

@@ -25,6 +25,7 @@ from router.admission import Admission
 from router.arrival_order import ArrivalOrder
 from router.config import GatewayConfig
 from router.events import EventIndexer
+from router.front_http import FrontRequest
 from router.hygiene import PromptHygiene
 from router.index import MirroredIndex, PrefixIndex, RedisIndex
 from router.metrics import GatewayMetrics
@@ -115,7 +116,7 @@ async def ignore_errors(coro: Awaitable[Any]) -> None:
         log.exception("background index job failed")
 
 
-def tenant_of(gw: Gateway, request: web.Request) -> Tenant:
+def tenant_of(gw: Gateway, request: web.Request | FrontRequest) -> Tenant:
     try:
         return gw.tenants.identify(api_key_from_headers(request.headers))
     except TenantError as exc:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from router.deadlines import within
 from router.endpoints import models_cards
+from router.front_http import AnyRequest, AnyResponse
 from router.gateway import (
     GATEWAY,
     INDEX_OP_TIMEOUT_S,
@@ -27,16 +28,29 @@ from router.request import ENDPOINTS, ClientError
 
 log = logging.getLogger(__name__)
 
+R = TypeVar("R", bound=AnyRequest)
+
 @web.middleware
 async def request_context(request: web.Request,
-                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
-                           ) -> web.StreamResponse:
+                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                          ) -> web.StreamResponse:
     """Request id (forwarded or generated), OpenAI-style errors, request counting."""
+    response = await run_handler(request, handler)
+    assert isinstance(response, web.StreamResponse)
+    return response
+
+
+async def run_handler(request: R, handler: Callable[[R], Awaitable[AnyResponse]]
+                      ) -> AnyResponse:
+    """`handler(request)` with the request id set (forwarded or generated), errors
+    answered OpenAI-style, and the request counted: the middleware of aiohttp's server
+    and of the fast front (router/front_http.py) alike."""
     gw = request.app[GATEWAY]
     request_id = request.headers.get("x-request-id") or gw.request_ids.next()
     token = REQUEST_ID.set(request_id)
     status = 500
     try:
+        response: AnyResponse
         try:
             response = await handler(request)
         except ClientError as exc:

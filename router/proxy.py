@@ -44,6 +44,7 @@ import aiohttp
 from aiohttp import web
 
 from router.config import ProxyConfig
+from router.front_http import AnyRequest, AnyResponse, prepare, stream_response
 from router.metrics import GatewayMetrics
 from router.replicas import Fleet, Replica
 from router.request import error_payload
@@ -129,10 +130,10 @@ class Forwarder:
         self.budget = RetryBudget(settings.retry_budget_ratio, settings.min_retry_budget)
         self.suspects = SuspectList(settings.suspect_ttl_s, settings.suspect_capacity)
 
-    async def forward(self, request: web.Request, up: UpstreamRequest,
+    async def forward(self, request: AnyRequest, up: UpstreamRequest,
                       ranked: Sequence[Replica],
                       response_headers: Callable[[Replica], dict[str, str]] | None = None,
-                      ) -> tuple[web.StreamResponse, ProxyOutcome]:
+                      ) -> tuple[AnyResponse, ProxyOutcome]:
         """Try `ranked` in order (at most 1 + max_retries attempts) and answer the client."""
         outcome = ProxyOutcome()
         if len(self.suspects):
@@ -239,9 +240,9 @@ class Forwarder:
         cap = min(self.settings.backoff_max_s, self.settings.backoff_base_s * (2 ** attempt))
         return self._rng.uniform(0, cap)
 
-    async def _attempt(self, request: web.Request, up: UpstreamRequest, replica: Replica,
+    async def _attempt(self, request: AnyRequest, up: UpstreamRequest, replica: Replica,
                        outcome: ProxyOutcome, headers_for: Callable[[Replica], dict[str, str]],
-                       ) -> tuple[web.StreamResponse, ProxyOutcome]:
+                       ) -> tuple[AnyResponse, ProxyOutcome]:
         """One try at `replica`. The response's own headers come from `headers_for`, asked
         once the answer's head (streamed: its first token) is in, so that they can say
         how long that took."""
@@ -312,7 +313,7 @@ class Forwarder:
                 outcome.completed = resp.status < 400
                 outcome.first_byte_at = time.perf_counter()
                 return self._plain_response(resp, payload, state, headers_for(replica)), outcome
-            response = web.StreamResponse(status=resp.status, headers={
+            response = stream_response(request, resp.status, {
                 "Content-Type": resp.headers.get("content-type", "text/event-stream"),
                 "Cache-Control": "no-cache", **headers_for(replica)})
             await self._relay(request, response, reader, held, state, replica)
@@ -336,13 +337,13 @@ class Forwarder:
         return web.Response(status=resp.status, body=body, headers={
             "Content-Type": resp.headers.get("content-type", "application/json"), **headers})
 
-    async def _relay(self, request: web.Request, response: web.StreamResponse,
+    async def _relay(self, request: AnyRequest, response: AnyResponse,
                      reader: SSEReader, held: list[bytes], state: StreamState,
                      replica: Replica) -> None:
         """Send the held events, then every further event as it arrives."""
         outcome = state.outcome
         try:
-            await response.prepare(request)
+            await prepare(response, request)
             outcome.first_byte_at = time.perf_counter()
             if held:  # the role event and the first token: one write, one packet
                 await response.write(b"".join(held))

@@ -89,24 +89,37 @@ class ReadDeadline(asyncio.Protocol):
         self._inner.resume_writing()
 
 
+# Given how to make a connection's aiohttp protocol (wrapped in ReadDeadline), the
+# protocol that serves the connection first (router/front_http.py's fast front).
+FrontFactory = Callable[[Callable[[], asyncio.Protocol]], asyncio.Protocol]
+
+
 class ReadDeadlineSite(web.TCPSite):
-    """A TCPSite whose connections must send each request within `read_timeout_s`."""
+    """A TCPSite whose connections must send each request within `read_timeout_s`;
+    with `front`, each connection is served by the protocol it makes, which hands the
+    connection to aiohttp when it needs to."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, *,
                  read_timeout_s: float, reuse_port: bool = False,
-                 on_timeout: Callable[[], None] | None = None) -> None:
+                 on_timeout: Callable[[], None] | None = None,
+                 front: FrontFactory | None = None) -> None:
         super().__init__(runner, host, port, reuse_port=reuse_port)
         self._read_timeout_s = read_timeout_s
         self._on_timeout = on_timeout
+        self._front = front
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with its runner
         server = self._runner.server
         assert server is not None
-        timeout_s, on_timeout = self._read_timeout_s, self._on_timeout
+        timeout_s, on_timeout, front = self._read_timeout_s, self._on_timeout, self._front
+
+        def aiohttp_side() -> asyncio.Protocol:
+            return ReadDeadline(server(), timeout_s, on_timeout)
+
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: ReadDeadline(server(), timeout_s, on_timeout), self._host, self._port,
-            backlog=self._backlog, reuse_address=self._reuse_address,
-            reuse_port=self._reuse_port)
+            aiohttp_side if front is None else lambda: front(aiohttp_side),
+            self._host, self._port, backlog=self._backlog,
+            reuse_address=self._reuse_address, reuse_port=self._reuse_port)
         sockets = self._server.sockets
         self._bound_port = sockets[0].getsockname()[1] if sockets else self._port

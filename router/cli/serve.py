@@ -128,8 +128,10 @@ def _stop_when_orphaned(supervisor: int, stop: asyncio.Event) -> None:
 async def _serve(config: GatewayConfig, args: argparse.Namespace) -> int:
     app = build_app(config)
     worker = args.worker_of is not None
+    named: dict[str, str] = {}  # on every answer of the fast front (router/front_http.py)
     if worker and config.proxy.expose_routing_headers:
         pid = str(os.getpid())
+        named[WORKER_HEADER] = pid
 
         async def name_worker(_: web.Request, response: web.StreamResponse) -> None:
             response.headers[WORKER_HEADER] = pid
@@ -140,7 +142,8 @@ async def _serve(config: GatewayConfig, args: argparse.Namespace) -> int:
     if worker:
         _stop_when_orphaned(args.worker_of, stop)
     async with running_gateway(app, config.listen.host, config.listen.port,
-                               shutdown_timeout=args.shutdown_timeout, reuse_port=worker):
+                               shutdown_timeout=args.shutdown_timeout, reuse_port=worker,
+                               response_headers=named):
         log.info("gateway %slistening on http://%s:%d (%d replica entries, index %s, "
                  "policy %s, event loop %s)", f"worker {os.getpid()} " if worker else "",
                  config.listen.host, config.listen.port, len(config.replicas),

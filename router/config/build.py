@@ -66,6 +66,7 @@ def _listen(s: _Section) -> ListenConfig:
                        event_loop=loop,
                        request_read_timeout_s=s.get("request_read_timeout_s", _pos_number,
                                                     d.request_read_timeout_s),
+                       fast_front=s.get("fast_front", _bool, d.fast_front),
                        admin_port=admin_port,
                        admin_host=s.get("admin_host", _optional(_str), None))
     s.finish()

@@ -47,6 +47,9 @@ class ListenConfig:
     # A connection must send each request's headers and body within this (slowloris and
     # half-open clients otherwise hold a socket and a task each; router/read_deadline.py).
     request_read_timeout_s: float = 30.0
+    # The completion endpoints' plain HTTP/1.1 requests are read by the gateway's own
+    # protocol, not aiohttp's server (router/front_http.py says why and what it takes).
+    fast_front: bool = True
     # When set, /ready and /metrics move off the API port to this one (router/admin.py),
     # bound on admin_host (default: host); see docs/SECURITY.md.
     admin_port: int | None = None
