@@ -203,8 +203,14 @@ class FrontConnection(asyncio.Protocol):
         # The request being received: (path, headers, where its body starts and ends).
         self._head: tuple[str, CIMultiDictProxy[str], int, int] | None = None
         self._task: asyncio.Task[None] | None = None
-        self._deadline: asyncio.TimerHandle | None = None
-        self._idle: asyncio.TimerHandle | None = None
+        # One timer a connection for both the read deadline and the keep-alive timeout,
+        # moved only when it fires (every read_timeout_s at most): a request answered in
+        # time arms and cancels nothing. `_since`: when the request being received began
+        # (its first byte, or the connection), None while answering or idle; `_idle_since`:
+        # when the connection last went idle.
+        self._timer: asyncio.TimerHandle | None = None
+        self._since: float | None = None
+        self._idle_since = 0.0
         self._paused_reading = False
         self._drain: asyncio.Future[None] | None = None
         self._writable = True
@@ -217,14 +223,12 @@ class FrontConnection(asyncio.Protocol):
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
         self._transport = cast(asyncio.Transport, transport)
         self._registry.add(self)
-        self._arm_deadline()
+        self._since = self._loop.time()  # the clock starts at connect
+        self._timer = self._loop.call_at(self._since + self._read_timeout_s, self._tick)
 
     def data_received(self, data: bytes) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
-        if self._deadline is None and not self._buffer and self._task is None:
-            self._arm_deadline()  # the first bytes of a new request
+        if self._since is None and self._task is None:
+            self._since = self._loop.time()  # the first bytes of a new request
         self._buffer += data
         if self._task is not None:
             if len(self._buffer) > _AHEAD_BYTES and not self._paused_reading:
@@ -300,9 +304,7 @@ class FrontConnection(asyncio.Protocol):
         body = bytes(self._buffer[start:stop])
         del self._buffer[:stop]
         self._head = None
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        self._since = None  # received in time: answering takes as long as it takes
         self.close_after = _wants_close(headers)
         request = FrontRequest(self._app, path, headers, body, self)
         self._task = self._loop.create_task(self._serve(request))
@@ -377,38 +379,44 @@ class FrontConnection(asyncio.Protocol):
             transport.resume_reading()
             self._paused_reading = False
         if self._buffer:
-            self._arm_deadline()
+            self._since = self._loop.time()  # the next request (pipelined) starts now
             self._next()
         else:
-            self._idle = self._loop.call_later(KEEPALIVE_S, self._close_idle)
+            self._idle_since = self._loop.time()
 
     # -- timers
 
-    def _arm_deadline(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        self._deadline = self._loop.call_later(self._read_timeout_s, self._expire)
-
-    def _expire(self) -> None:
-        self._deadline = None
+    def _tick(self) -> None:
+        """The timer: close a connection whose request is late, or idle too long; else
+        sleep until the state it finds is due, a read_timeout_s at most (so a request
+        begun meanwhile is never checked later than its own deadline)."""
+        self._timer = None
         transport = self._transport
-        if transport is not None and not transport.is_closing() and self._task is None:
-            log.info("closing a connection that sent no complete request within %.1fs",
-                     self._read_timeout_s)
-            if self._on_timeout is not None:
-                self._on_timeout()
-            transport.close()
-
-    def _close_idle(self) -> None:
-        self._idle = None
-        if self._transport is not None and self._task is None and not self._buffer:
-            self._transport.close()
+        if transport is None or transport.is_closing():
+            return
+        now = self._loop.time()
+        if self._task is not None:
+            due = now + self._read_timeout_s  # answering: no bound
+        elif self._since is not None:
+            due = self._since + self._read_timeout_s
+            if now >= due:
+                log.info("closing a connection that sent no complete request within %.1fs",
+                         self._read_timeout_s)
+                if self._on_timeout is not None:
+                    self._on_timeout()
+                transport.close()
+                return
+        else:
+            due = self._idle_since + KEEPALIVE_S
+            if now >= due:
+                transport.close()
+                return
+        self._timer = self._loop.call_at(min(due, now + self._read_timeout_s), self._tick)
 
     def _cancel_timers(self) -> None:
-        for handle in (self._deadline, self._idle):
-            if handle is not None:
-                handle.cancel()
-        self._deadline = self._idle = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     # -- shutdown
 

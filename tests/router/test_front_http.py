@@ -5,7 +5,9 @@ pipelining, streaming, limits, and a drain at shutdown that lets an answer finis
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,6 +15,7 @@ import pytest
 from aiohttp import web
 from servers import free_port, serving
 
+from router import front_http
 from router.app import build_app, running_gateway
 from router.config import build_config
 
@@ -230,3 +233,32 @@ async def test_shutdown_lets_a_stream_in_progress_finish(
     rest = await asyncio.wait_for(reader.read(), 5.0)
     assert b'"t2"' in rest and rest.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
     writer.close()
+
+
+async def test_idle_and_late_connections_are_closed_on_time(
+        replica: tuple[str, asyncio.Event], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(front_http, "KEEPALIVE_S", 0.6)
+    port = free_port()
+    config = _config(replica[0], port)
+    config = dataclasses.replace(config, listen=dataclasses.replace(
+        config.listen, request_read_timeout_s=1.0))
+    async with running_gateway(build_app(config), "127.0.0.1", port):
+        idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", port)
+        late_reader, late_writer = await asyncio.open_connection("127.0.0.1", port)
+        for reader, writer in ((idle_reader, idle_writer), (late_reader, late_writer)):
+            writer.write(_post({"model": "m", "prompt": "x", "max_tokens": 1}))
+            assert (await _response(reader))[0] == 200
+        answered = time.perf_counter()
+        await asyncio.sleep(0.3)  # the late one's next request begins later than its answer
+        late_writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # then silence
+        begun = time.perf_counter()
+        assert await asyncio.wait_for(idle_reader.read(), 5.0) == b""
+        idle_for = time.perf_counter() - answered
+        assert await asyncio.wait_for(late_reader.read(), 5.0) == b""
+        late_by = time.perf_counter() - begun
+        # Idle: the keep-alive timeout; a request begun: its own read bound, counted from
+        # its first byte (not from the connection or the answer before it).
+        assert 0.6 <= idle_for < 1.5, idle_for
+        assert 1.0 <= late_by < 2.0, late_by
+        idle_writer.close()
+        late_writer.close()
