@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+from types import FrameType
 
 from router.cli.subcommands import dispatch
 
@@ -12,5 +14,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("loadgen.demo", "the README demo: 4 sims, gateway, three policies"),
 }
 
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
+    # SIGTERM (`timeout`, a CI runner, a supervisor) ends a run as Ctrl-C does: through
+    # its finally blocks, which stop the sims, gateways, peers and redis-server it
+    # started. Without this the process died at once and left them all running.
+    signal.signal(signal.SIGTERM, _stop)
     sys.exit(dispatch("python -m loadgen", __doc__ or "", COMMANDS))

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import psutil
 import pytest
+from servers import REPO, wait_until
 
 from loadgen.compare import (
     add_arguments,
@@ -373,3 +378,36 @@ def test_a_baseline_checkout_runs_beside_ours(tmp_path: Path, tiny_model_dir: Pa
     assert rows["baseline~cache_aware"].note.startswith("code of commit ")
     with pytest.raises(SystemExit, match=r"--baseline-repo .*: not a cacheroute checkout"):
         parse_policies(_args("--out", "o", "--baseline-repo", str(tmp_path)))
+
+
+def test_sigterm_stops_every_process_the_run_started(tmp_path: Path,
+                                                     tiny_model_dir: Path) -> None:
+    """A compare ended by SIGTERM (a `timeout`, a CI runner) takes down its sims,
+    gateways and redis-server with it, as Ctrl-C does."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loadgen", "compare", "--replicas", "2", "--policies",
+         "cache_aware", "--vllm-router", "none", "--index", "redis", "--workload", "chat",
+         "--requests", "5000", "--conversations", "8", "--shared-prefix-tokens", "64",
+         "--question-tokens", "16", "--answer-tokens", "4", "--concurrency", "2",
+         "--kv-tokens", "4096", "--max-model-len", "1024", "--model-dir",
+         str(tiny_model_dir), "--out", str(tmp_path / "report"), "--deadline-s", "600",
+         "--no-plots"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started: list[psutil.Process] = []
+    try:
+        def serving() -> bool:  # the sims, the index and a gateway are up: requests flow
+            started[:] = psutil.Process(proc.pid).children(recursive=True)
+            names = " ".join(" ".join(p.cmdline()) for p in started)
+            return "replica sim" in names and "redis-server" in names and \
+                "router serve" in names
+        wait_until(serving, 120, "the compare's processes to start", proc=proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) != 0
+        gone, alive = psutil.wait_procs(started, timeout=30)
+        assert not alive, [" ".join(p.cmdline()) for p in alive]
+        assert len(gone) >= 4  # 2 sims, redis-server, the gateway
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for child in started:  # only if the assertions above failed: they are ours
+            if child.is_running():
+                child.kill()
