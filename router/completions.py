@@ -336,12 +336,11 @@ async def _answer_now(request: AnyRequest, response: AnyResponse) -> None:
     if response.prepared:
         return
     response.headers.setdefault("x-request-id", REQUEST_ID.get())
+    assert isinstance(response, web.StreamResponse)  # a stream is prepared by now
     try:
         if isinstance(request, FrontRequest):
-            assert isinstance(response, web.StreamResponse)
             send_whole(request, response)
         else:
-            assert isinstance(response, web.StreamResponse)
             await response.prepare(request)
             await response.write_eof()
     except ConnectionError:

@@ -190,8 +190,7 @@ class FrontConnection(asyncio.Protocol):
     def __init__(self, app: web.Application, serve: Handler,
                  make_inner: Callable[[], asyncio.Protocol], *, max_body_bytes: int,
                  read_timeout_s: float, max_line_bytes: int, max_headers: int,
-                 registry: set[FrontConnection], extra_headers: Mapping[str, str],
-                 on_timeout: Callable[[], None] | None = None) -> None:
+                 registry: set[FrontConnection], extra_headers: Mapping[str, str]) -> None:
         self._app = app
         self._serve = serve
         self._make_inner = make_inner
@@ -200,7 +199,6 @@ class FrontConnection(asyncio.Protocol):
         self._max_line = max_line_bytes
         self._max_headers = max_headers
         self._registry = registry
-        self._on_timeout = on_timeout
         self.extra_headers = extra_headers
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
@@ -407,8 +405,6 @@ class FrontConnection(asyncio.Protocol):
             if now >= due:
                 log.info("closing a connection that sent no complete request within %.1fs",
                          self._read_timeout_s)
-                if self._on_timeout is not None:
-                    self._on_timeout()
                 transport.close()
                 return
         else:
