@@ -7,9 +7,10 @@ object with multidicts, URL dispatch, the middleware chain, a response object, i
 writer): 8-12% of the serving gateway's busy CPU in a py-spy profile of sequential
 64-token and chat requests, on cores where each Python call costs about four times what
 it does in a warm loop. benchmarks/bench_gateway.py compares the two in one run
-(`--gateway-set listen.fast_front=false`); on 2026-12-06 (2 cores, interleaved): added
-latency 0.1-0.5 ms lower on most of its requests, 1,074 against 987 routed requests a
-second, 1.31 against 1.38 ms of CPU per streamed request (vllm-router cache_aware 1.31).
+(`--gateway-set listen.fast_front=false`); on 2026-12-06 (2 cores, interleaved, two
+runs): added latency lower on most of its requests (by 0.05-0.5 ms), 1,074 / 959 against
+987 / 901 routed requests a second, 1.31 / 1.56 against 1.38 / 1.69 ms of CPU per
+streamed request (vllm-router cache_aware 1.31 / 1.44).
 
 The fast path takes only the common, unambiguous shape: `POST /v1/chat/completions` or
 `POST /v1/completions`, HTTP/1.1, one Content-Length within proxy.max_body_bytes, no
@@ -142,14 +143,15 @@ def send_whole(request: FrontRequest, response: web.StreamResponse) -> None:
     """Write a whole (unprepared) web.Response on a fast connection, once."""
     if request.answered:
         return
-    request.answered = True
     assert isinstance(response, web.Response), "a fast answer is whole or streamed"
     body = response.body
     payload = body if isinstance(body, bytes) else b""
     headers = response.headers
     headers["Content-Length"] = str(len(payload))
     conn = request.conn
-    conn.write(_head(response.status, headers, conn.extra_headers, conn.close_after) + payload)
+    data = _head(response.status, headers, conn.extra_headers, conn.close_after) + payload
+    request.answered = True  # only once it can be written: else the error answer goes
+    conn.write(data)
 
 
 _date_cache: tuple[int, bytes] = (0, b"")
@@ -177,7 +179,9 @@ def _head(status: int, headers: Mapping[str, str], extra: Mapping[str, str],
     lines.extend(f"{name}: {value}" for name, value in extra.items() if name not in headers)
     if close:
         lines.append("Connection: close")
-    return ("\r\n".join(lines) + "\r\nDate: ").encode("latin-1") + _date() + b"\r\n\r\n"
+    # A value read from the request (an x-request-id) goes back as the bytes it came as.
+    head = "\r\n".join(lines) + "\r\nDate: "
+    return head.encode("utf-8", "surrogateescape") + _date() + b"\r\n\r\n"
 
 
 Handler = Callable[[FrontRequest], Coroutine[Any, Any, None]]

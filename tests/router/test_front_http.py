@@ -208,6 +208,12 @@ async def test_bad_requests_on_the_front_get_openai_errors_with_request_ids(
         assert status == 400 and not _aiohttps(headers)
         assert headers["x-request-id"] == "mine-1"
         assert json.loads(body)["error"]["type"] == "invalid_request_error"
+        # A request id in UTF-8 comes back as the bytes it was sent as.
+        writer.write(_post({"model": "m", "prompt": "id", "max_tokens": 1},
+                           "x-request-id: réq-→\r\n".encode()))
+        status, headers, body = await _response(reader)
+        assert status == 200 and not _aiohttps(headers)
+        assert headers["x-request-id"].encode("latin-1").decode() == "réq-→"
         # Without a key: 401, and the connection still serves the next request.
         writer.write(_post({"model": "m", "prompt": "k", "max_tokens": 1}).replace(AUTH, b""))
         status, headers, body = await _response(reader)
