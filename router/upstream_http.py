@@ -29,6 +29,7 @@ import ssl
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import cast
 from urllib.parse import urlsplit
 
 # A response head larger than this is not a replica's: refuse it rather than buffer it.
@@ -216,8 +217,9 @@ class _Connection(asyncio.Protocol):
         self._paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods
+        # (an isinstance check here failed every routed request on listen.event_loop uvloop).
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         parser = self.parser

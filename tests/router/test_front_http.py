@@ -268,3 +268,33 @@ async def test_idle_and_late_connections_are_closed_on_time(
         assert 1.0 <= late_by < 2.0, late_by
         idle_writer.close()
         late_writer.close()
+
+
+def test_requests_are_routed_on_uvloop() -> None:
+    """listen.event_loop uvloop: its transports are not asyncio.Transport subclasses, and
+    both the front and the upstream client must take them (an isinstance check in the
+    upstream client once failed every routed request there with a 500)."""
+    import uvloop  # a test dependency (pyproject.toml)
+
+    async def scenario() -> None:
+        app = web.Application()
+        app[RELEASE] = asyncio.Event()
+        app[RELEASE].set()
+        app.router.add_get("/health", _ok)
+        app.router.add_post("/v1/completions", _completions)
+        port = free_port()
+        async with serving(app) as url, \
+                running_gateway(build_app(_config(url, port)), "127.0.0.1", port):
+            assert "uvloop" in type(asyncio.get_running_loop()).__module__
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(_post({"model": "m", "prompt": "uv", "max_tokens": 1}))
+            status, headers, body = await _response(reader)
+            assert status == 200 and not _aiohttps(headers)
+            assert json.loads(body)["choices"][0]["text"] == "echo uv"
+            writer.write(_post({"model": "m", "prompt": "s", "max_tokens": 3, "stream": True}))
+            status, _, body = await _response(reader)
+            assert status == 200 and b'"t2"' in body and body.endswith(b"data: [DONE]\n\n")
+            writer.close()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(scenario())
