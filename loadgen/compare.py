@@ -182,6 +182,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(system prompt, tools; chat only), in a request its context "
                              "check refuses: a long-running gateway has seen it, a fresh one "
                              "pays its first encoding on the first burst")
+    parser.add_argument("--warm-run", action=argparse.BooleanOptionalAction, default=None,
+                        help="before round 1, run round 1's first policy once in full and "
+                             "discard it (default: on with --repeats above 1). The first run "
+                             "on fresh replicas was measured apart from every later one "
+                             "whichever router took it (agent: replica imbalance 1.31-1.38 "
+                             "against 1.00-1.12): without this, a bias against whatever "
+                             "runs first")
     parser.add_argument("--policy-set", action="append", default=[], metavar="KEY=VALUE",
                         help="set a key of our gateways' policy config (docs/POLICY.md), e.g. "
                              "load_cost_s=0.25; repeatable; peers are unaffected")
@@ -239,6 +246,8 @@ class Comparison:
     index: str
     skipped: list[str]
     gateway_profile: GatewayProfile | None = None
+    # The discarded first run (--warm-run), or None.
+    warm_run: PolicyRun | None = None
 
 
 def oracle_stream(records: Sequence[RequestRecord],
@@ -576,8 +585,15 @@ def run_comparison(args: argparse.Namespace, console: Any = None) -> Comparison:
         stack.callback(fleet.stop)
         profile = choose_profile(args, fleet, log_dir)
         console.print(f"gateway profile: {profile.describe()}")
+        warm = None
         with Progress("[bold]{task.description}", BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console) as progress:
+            if warm_run_wanted(args) and policies:
+                first = round_order(policies, 0)[0]
+                result = _run_policy(first, -1, fleet, index, profile, args, log_dir,
+                                     progress, total, shared)
+                # A peer that failed to start is skipped, with its reason, in round 1.
+                warm = None if isinstance(result, str) else result
             for r in range(args.repeats):
                 for policy in round_order(policies, r):
                     run = _run_policy(policy, r, fleet, index, profile, args, log_dir,
@@ -603,9 +619,18 @@ def run_comparison(args: argparse.Namespace, console: Any = None) -> Comparison:
             floor = ttft_floor([len(r.prompt_token_ids) for r in stream],
                                oracle.pooled.per_request, load_profile(args.prefill_profile))
         meta = _meta(args, use_redis, profile, skipped, len(shared))
+        if warm is not None:
+            meta["warm-up run"] = (f"{warm.policy} ran the whole workload once before round "
+                                   "1, on emptied caches; not reported (--warm-run)")
         files = write_report(args.out, runs, meta, time_scale=args.time_scale,
                              plots=not args.no_plots, floor=floor)
-    return Comparison(runs, files, index, skipped, profile)
+    return Comparison(runs, files, index, skipped, profile, warm)
+
+
+def warm_run_wanted(args: argparse.Namespace) -> bool:
+    """--warm-run as given, else on exactly when there are rounds to interleave."""
+    wanted = getattr(args, "warm_run", None)
+    return args.repeats > 1 if wanted is None else bool(wanted)
 
 
 def _run_policy(policy: str, round_index: int, fleet: TargetFleet, index: str,
@@ -614,13 +639,15 @@ def _run_policy(policy: str, round_index: int, fleet: TargetFleet, index: str,
                 shared: Sequence[dict[str, Any]] = ()) -> PolicyRun | str:
     """One policy's run on emptied caches; a peer that fails to start gives its reason.
     `shared`: shared_prefix_bodies, for our gateways' warm-up."""
-    label = policy if args.repeats == 1 else f"{policy} (round {round_index + 1})"
+    label = (f"{policy} (warm-up run, discarded)" if round_index < 0 else
+             policy if args.repeats == 1 else f"{policy} (round {round_index + 1})")
     task = progress.add_task(label, total=total)
     fleet.reset_caches()
     if index.startswith("redis://"):
         flush_index(index)
     try:
-        with router(policy, fleet, index, profile, args, log_dir, f"-r{round_index}") as (
+        with router(policy, fleet, index, profile, args, log_dir,
+                    "-warm" if round_index < 0 else f"-r{round_index}") as (
                 urls, note):
             for url in urls:
                 asyncio.run(warm_up(url, args))

@@ -22,6 +22,7 @@ from loadgen.compare import (
     routers_line,
     run_comparison,
     runnable,
+    warm_run_wanted,
 )
 from loadgen.gateway_under_test import (
     config_overrides,
@@ -177,6 +178,11 @@ def test_chat_agent_through_smg_and_ours_over_two_rounds(tmp_path: Path,
     runs = [(r.policy, r.round) for r in comparison.runs]
     assert runs == [("cache_aware", 0), ("smg:cache_aware", 0),
                     ("smg:cache_aware", 1), ("cache_aware", 1)]
+    # Before round 1, round 1's first policy ran the workload once, unreported.
+    warm = comparison.warm_run
+    assert warm is not None and (warm.policy, warm.round) == ("cache_aware", -1)
+    assert len(warm.result.completed()) == 4
+    assert warm.replica_counts is not None and sum(warm.replica_counts.values()) == 4
     data = json.loads((out / "results.json").read_text())
     for row in data["policies"]:
         assert row["completed"] == 4 and row["errors"] == 0, row
@@ -194,9 +200,18 @@ def test_chat_agent_through_smg_and_ours_over_two_rounds(tmp_path: Path,
     md = (out / "report.md").read_text()
     assert "| smg:cache_aware | 2 |" in md
     assert "gateway profile: exact" in md
+    assert "cache_aware ran the whole workload once before round 1" in md
     assert "api: chat: messages (and tools)" in md
     # Our gateway (not SMG) first tokenized the two sessions' shared prompt and tools.
     assert "then tokenized, once, the 1 prefix(es) that several conversations share" in md
+
+
+def test_a_warm_run_is_on_by_default_only_with_rounds_to_interleave() -> None:
+    out = ("--out", "unused")
+    assert not warm_run_wanted(_args(*out))
+    assert warm_run_wanted(_args(*out, "--repeats", "3"))
+    assert not warm_run_wanted(_args(*out, "--repeats", "3", "--no-warm-run"))
+    assert warm_run_wanted(_args(*out, "--warm-run"))
 
 
 def test_policy_set_overrides_the_gateway_policy() -> None:
