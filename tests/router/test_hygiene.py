@@ -132,3 +132,60 @@ def test_shared_lengths_are_the_longest_prefix_shared_with_recent_prompts(
             return n
 
         assert h._tenants["t"].shared[-1] == max(common(prompt[:10], r) for r in recent)
+
+
+async def test_the_gateway_counts_a_finding_for_answered_requests_plain_and_streamed() -> None:
+    """Observed once a request is answered (off its time to first byte), for plain and
+    streamed answers alike: the finding reaches /metrics."""
+    import json
+
+    import aiohttp
+    from aiohttp import web
+    from servers import free_port, serving
+
+    from router.app import build_app, running_gateway
+    from router.config import build_config
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):
+            return web.json_response({"id": "c", "object": "text_completion", "choices": [
+                {"index": 0, "text": "x", "finish_reason": "length"}]})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"id": "c", "object": "text_completion",
+                 "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    replica = web.Application()
+    replica.router.add_get("/health", health)
+    replica.router.add_post("/v1/completions", completions)
+    port = free_port()
+    async with serving(replica) as url:
+        config = build_config({
+            "listen": {"host": "127.0.0.1", "port": port},
+            "replicas": [{"url": url, "models": ["m"]}],
+            "tenants": {"keys": [{"key": "sk-h", "tenant": "h"}]},
+            "health": {"interval_s": 60}},
+            {"CACHEROUTE_SALT_SECRET": "hygiene-test-secret-0123456789"})
+        rng = random.Random(5)
+        async with running_gateway(build_app(config), "127.0.0.1", port), \
+                aiohttp.ClientSession(headers={"Authorization": "Bearer sk-h"}) as session:
+            base = f"http://127.0.0.1:{port}"
+            for i in range(80):
+                # 40 prompts sharing a 300-token head, then 40 with token 5 changing.
+                head = SYSTEM if i < 40 else [*SYSTEM[:5], 900_000 + i, *SYSTEM[6:]]
+                body = {"model": "m", "prompt": head + question(rng), "max_tokens": 1,
+                        "stream": i % 2 == 1}
+                async with session.post(f"{base}/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    await resp.read()
+            async with session.get(f"{base}/metrics") as resp:
+                metrics = await resp.text()
+    line = 'cacheroute_hygiene_findings_total{kind="prefix_divergence"} 1.0'
+    assert line in metrics.splitlines()
