@@ -1,4 +1,4 @@
-"""Rendering a chat template with and without router/template_lookup.py's shortcut.
+"""Rendering a chat template with and without router/template_lookup.py's shortcut and memo.
 
     .venv/bin/python benchmarks/bench_template.py [--rounds 5] [--renders 200]
         [--model-dir DIR] [--turns 12] [--tools 24]
@@ -6,9 +6,10 @@
 Two bodies, rendered as the gateway renders them (PromptTokenizer.render_chat): a
 conversation of `--turns` question/answer pairs after a system prompt (a chat's next
 turn), and an agent's first turn with `--tools` tool definitions. Each round renders
-each body `--renders` times with the sandbox's own attribute lookup, then as many with
-the shortcut (the order alternating by round), checks the text is the same, and prints
-the median per render over rounds with its spread and the ratio. On a noisy machine
+each body `--renders` times three ways: the sandbox's own attribute lookup and
+transformers' tojson; the shortcut; the shortcut and the memoised tojson (each way first
+in turn by round), checks the text is the same, and prints the median per render over
+rounds with its spread and the ratios to the sandbox's. On a noisy machine
 only the side-by-side ratio means much.
 """
 
@@ -73,25 +74,28 @@ def main(argv: list[str] | None = None) -> int:
         fast_text = tok.render_chat(body)  # installs the shortcut in the template's env
         template = tok._chat_template or tok._hf.get_chat_template(None, tools=body.get("tools"))
         env = _compile_jinja_template(template).environment
-        fast = env.getattr
-        sandbox = type(env).getattr.__get__(env)
-        times: dict[str, list[float]] = {"sandbox": [], "shortcut": []}
+        fast, memo = env.getattr, env.filters["tojson"]
+        sandbox, plain = type(env).getattr.__get__(env), memo.__wrapped__
+        ways = {"sandbox": (sandbox, plain), "shortcut": (fast, plain), "+memo": (fast, memo)}
+        times: dict[str, list[float]] = {way: [] for way in ways}
         for round_ in range(args.rounds):
-            order = [("sandbox", sandbox), ("shortcut", fast)]
-            for way, lookup in order if round_ % 2 == 0 else order[::-1]:
-                env.getattr = lookup
+            order = list(ways)
+            order = order[round_ % 3:] + order[:round_ % 3]  # each way first in turn
+            for way in order:
+                env.getattr, env.filters["tojson"] = ways[way]
                 started = time.perf_counter()
                 for _ in range(args.renders):
                     text = tok.render_chat(body)
                 times[way].append((time.perf_counter() - started) / args.renders)
                 if text != fast_text:
-                    raise SystemExit(f"{label}: the {way} lookup rendered different text")
-        env.getattr = fast
+                    raise SystemExit(f"{label}: the {way} way rendered different text")
+        env.getattr, env.filters["tojson"] = fast, memo
         med = {way: statistics.median(v) for way, v in times.items()}
         spread = {way: f"[{min(v) * 1e3:.3f}..{max(v) * 1e3:.3f}]" for way, v in times.items()}
         print(f"{label:<24} sandbox {med['sandbox'] * 1e3:.3f} {spread['sandbox']}  "
-              f"shortcut {med['shortcut'] * 1e3:.3f} {spread['shortcut']}  "
-              f"{med['shortcut'] / med['sandbox']:.2f}x  (same text)")
+              f"shortcut {med['shortcut'] * 1e3:.3f} {spread['shortcut']} "
+              f"{med['shortcut'] / med['sandbox']:.2f}x  +memo {med['+memo'] * 1e3:.3f} "
+              f"{spread['+memo']} {med['+memo'] / med['sandbox']:.2f}x  (same text)")
     return 0
 
 
