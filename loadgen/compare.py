@@ -66,7 +66,7 @@ from loadgen.gateway_under_test import (
 from loadgen.harness import MODEL_NAME, REPO, HarnessError, parse_cpus
 from loadgen.oracle import OracleRequest, bounds
 from loadgen.peers import PEERS, SMG, VLLM_ROUTER, peer_routers, skip_reason, split_policy
-from loadgen.report import PolicyRun, ReportFiles, write_report
+from loadgen.report import PolicyRun, ReportFiles, summarize, write_report
 from loadgen.target_fleet import (
     DEFAULT_MODEL_DIR,
     TargetFleet,
@@ -620,8 +620,13 @@ def run_comparison(args: argparse.Namespace, console: Any = None) -> Comparison:
                                oracle.pooled.per_request, load_profile(args.prefill_profile))
         meta = _meta(args, use_redis, profile, skipped, len(shared))
         if warm is not None:
-            meta["warm-up run"] = (f"{warm.policy} ran the whole workload once before round "
-                                   "1, on emptied caches; not reported (--warm-run)")
+            row = summarize(warm, args.time_scale)
+            p50, imbalance = row["ttft_p50_s"], row["imbalance_max_over_mean"]
+            meta["warm-up run"] = (
+                f"{warm.policy} ran the whole workload once before round 1, on emptied "
+                "caches; not reported (--warm-run); it measured TTFT p50 "
+                + (f"{p50 * 1000:.1f} ms" if p50 is not None else "-") + ", imbalance "
+                + (f"{imbalance:.2f}" if imbalance is not None else "-"))
         files = write_report(args.out, runs, meta, time_scale=args.time_scale,
                              plots=not args.no_plots, floor=floor)
     return Comparison(runs, files, index, skipped, profile, warm)
