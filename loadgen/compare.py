@@ -184,11 +184,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "pays its first encoding on the first burst")
     parser.add_argument("--warm-run", action=argparse.BooleanOptionalAction, default=None,
                         help="before round 1, run round 1's first policy once in full and "
-                             "discard it (default: on with --repeats above 1). The first run "
-                             "on fresh replicas was measured apart from every later one "
-                             "whichever router took it (agent: replica imbalance 1.31-1.38 "
-                             "against 1.00-1.12): without this, a bias against whatever "
-                             "runs first")
+                             "discard it (default: on with --repeats above 1), so that no "
+                             "counted run is the fleet's first: three agent compares once "
+                             "placed their first run unevenly (imbalance 1.31-1.38, later "
+                             "runs 1.00-1.12); later ones did not repeat it, so this is "
+                             "insurance, at one run's time")
     parser.add_argument("--policy-set", action="append", default=[], metavar="KEY=VALUE",
                         help="set a key of our gateways' policy config (docs/POLICY.md), e.g. "
                              "load_cost_s=0.25; repeatable; peers are unaffected")
