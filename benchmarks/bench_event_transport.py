@@ -1,7 +1,7 @@
 """What receiving one KV-event message costs a gateway or indexer, apart from applying it.
 
     .venv/bin/python benchmarks/bench_event_transport.py [--messages 3000] [--rounds 5]
-        [--baseline-repo DIR]
+        [--baseline-repo DIR] [--spaced]
 
 A replica publishes one message per engine step that stored or evicted blocks; a
 gateway (its memory index, or its mirror of Redis) and the indexer take each off a ZMQ
@@ -9,7 +9,10 @@ SUB socket. This publishes --messages batches of one stored block each, in a bur
 while the stream is held up by its first (as on a busy process, where they queue), then
 times the process's CPU (thread time) from releasing it until the last is applied:
 receive + decode + plan + apply per message, the apply of one block being the least of
-it. Publisher and stream share the process, the same for every checkout.
+it. Publisher and stream share the process, the same for every checkout. --spaced
+publishes each message only once the one before is applied, so each finds the stream
+idle (a gateway at low load: one message per engine step, the loop waiting in between);
+the publisher's send and the loop's wake-ups are then part of every message's figure.
 --baseline-repo DIR runs the same with another checkout (a git worktree), in a child
 process per round, alternating: medians over rounds, their spread and the ratio.
 """
@@ -28,7 +31,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 
 
-def measure(repo: Path, messages: int) -> float:
+def measure(repo: Path, messages: int, spaced: bool = False) -> float:
     """CPU seconds per message through `repo`'s ReplicaEventStream."""
     sys.path.insert(0, str(repo))
     import zmq
@@ -46,6 +49,7 @@ def measure(repo: Path, messages: int) -> float:
             self.gate = asyncio.Event()
             self.holding = asyncio.Event()
             self.done = asyncio.Event()
+            self.applied_one = asyncio.Event()
             self.applied = 0
 
         async def apply(self, *args: Any, **kwargs: Any) -> None:
@@ -54,6 +58,7 @@ def measure(repo: Path, messages: int) -> float:
                 await self.gate.wait()
             await super().apply(*args, **kwargs)
             self.applied += 1
+            self.applied_one.set()
             if self.applied == messages + 1:
                 self.done.set()
 
@@ -76,6 +81,17 @@ def measure(repo: Path, messages: int) -> float:
             payloads = [batch(k) for k in range(messages + 1)]
             await pub.send_multipart([b"", seq_bytes(0), payloads[0]])
             await index.holding.wait()
+            if spaced:
+                index.gate.set()
+                await index.applied_one.wait()
+                started = time.thread_time()
+                for seq in range(1, messages + 1):
+                    index.applied_one.clear()
+                    await pub.send_multipart([b"", seq_bytes(seq), payloads[seq]])
+                    await index.applied_one.wait()
+                spent = time.thread_time() - started
+                assert stream.stats.gaps == 0 and index.done.is_set()
+                return spent / messages
             for seq in range(1, messages + 1):
                 await pub.send_multipart([b"", seq_bytes(seq), payloads[seq]])
             await asyncio.sleep(0.5)  # let ZMQ move the burst into the SUB's queue
@@ -98,10 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--baseline-repo", type=Path)
+    parser.add_argument("--spaced", action="store_true",
+                        help="each message sent once the one before is applied")
     parser.add_argument("--one", nargs=2, metavar=("REPO", "MESSAGES"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        print(measure(Path(args.one[0]), int(args.one[1])))
+        print(measure(Path(args.one[0]), int(args.one[1]), args.spaced))
         return 0
     if args.messages < 1:
         parser.error(f"--messages must be at least 1, got {args.messages}")
@@ -113,11 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         order = list(repos.items())
         for name, repo in order[round_ % len(order):] + order[:round_ % len(order)]:
             out = subprocess.run([sys.executable, __file__, "--one", str(repo),
-                                  str(args.messages)], check=True, capture_output=True,
-                                 text=True, timeout=300).stdout
+                                  str(args.messages), *(["--spaced"] if args.spaced else [])],
+                                 check=True, capture_output=True, text=True,
+                                 timeout=300).stdout
             results[name].append(float(out) * 1e6)
-    print(f"one queued KV-event message (one stored block), CPU us: receive + decode + plan "
-          f"+ apply; {args.messages} messages, {args.rounds} rounds, checkouts alternating")
+    kind = ("each sent to an idle stream, CPU us: send + receive + decode + plan + apply"
+            if args.spaced else "queued, CPU us: receive + decode + plan + apply")
+    print(f"one KV-event message (one stored block) {kind}; {args.messages} messages, "
+          f"{args.rounds} rounds, checkouts alternating")
     for name, values in results.items():
         print(f"  {name:<14} median {statistics.median(values):6.2f} "
               f"[{min(values):.2f}..{max(values):.2f}]")

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -39,6 +40,12 @@ DEFAULT_PROBE_TTL_S = 120.0
 _SUB_HWM = 100_000
 # Queued messages taken at once before the loop runs anything else (router requests).
 _DRAIN_AT_ONCE = 64
+
+
+def _has_message(sock: zmq.Socket[bytes]) -> bool:
+    """Whether `sock` holds a message to receive (reading EVENTS also lets ZMQ process
+    what its fd signalled)."""
+    return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)
 
 
 class ReplayUnavailable(RuntimeError):
@@ -88,7 +95,9 @@ class ReplicaEventStream:
         self._own_context = context is None
         self._ctx = context or zmq.asyncio.Context()
         self._clock = clock
-        self._sub: zmq.asyncio.Socket | None = None
+        # A plain (not asyncio) socket read when its fd says so: see _run.
+        self._sub: zmq.Socket[bytes] | None = None
+        self._wake: asyncio.Future[None] | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -106,11 +115,13 @@ class ReplicaEventStream:
         if self._task is not None:
             return
         self._stopping = False
-        sub = self._ctx.socket(zmq.SUB)
+        sub: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, _SUB_HWM)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-        self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # Made by the SUB's context, which is asyncio's: an asyncio socket.
+        self._monitor = cast(zmq.asyncio.Socket,
+                             sub.get_monitor_socket(zmq.EVENT_DISCONNECTED))
         sub.connect(self.endpoint)  # vLLM binds; ZMQ reconnects by itself after a restart
         self._sub = sub
         self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.replica_id}")
@@ -180,23 +191,52 @@ class ReplicaEventStream:
                 await self._guarded(self._perform(self._tracker.catch_up()))
             finally:
                 self.caught_up.set()
-        # Messages already queued are taken through a plain (blocking-mode) view of the
-        # same socket, without pyzmq's asyncio future for each: a queued one-block batch
-        # costs 16 us to take and apply instead of 31 (benchmarks/bench_event_transport.py).
-        # They queue when the process is busy, which is when it has least time to spare.
-        queued: zmq.Socket[bytes] = zmq.Socket.shadow(self._sub.underlying)
-        # No deadline on recv: an idle replica legitimately sends nothing. Liveness is
-        # judged by the gateway's health checks and stats.last_received_at.
-        while not self._stopping:
-            frames = await self._sub.recv_multipart()
-            async with self._lock:
-                await self._guarded(self._on_message(frames))
-                for _ in range(_DRAIN_AT_ONCE):  # then back to the loop, for fairness
-                    try:
-                        frames = queued.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    await self._guarded(self._on_message(frames))
+        # The SUB is a plain socket whose fd the loop watches, drained without blocking
+        # once ZMQ's EVENTS says a message is queued: pyzmq's asyncio socket made a
+        # future, a poll registration and a callback for every message that found the
+        # loop idle (benchmarks/bench_event_transport.py --spaced).
+        sub = self._sub
+        loop = asyncio.get_running_loop()
+        fd = sub.FD
+        loop.add_reader(fd, self._on_fd)
+        try:
+            # No deadline: an idle replica legitimately sends nothing. Liveness is judged
+            # by the gateway's health checks and stats.last_received_at.
+            while not self._stopping:
+                await self._readable(loop)
+                async with self._lock:
+                    for _ in range(_DRAIN_AT_ONCE):
+                        # One zmq.Again a drain (3 us) costs less than reading EVENTS
+                        # before every message (1.8 us each) where many are queued.
+                        try:
+                            frames = sub.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        await self._guarded(self._on_message(frames))
+                    else:  # more may wait: back to the loop first, for fairness
+                        await asyncio.sleep(0)
+        finally:
+            loop.remove_reader(fd)
+
+    async def _readable(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Until the SUB holds a message. ZMQ's fd only says that EVENTS may have changed
+        (and stays readable until EVENTS or a receive is read), so EVENTS decides."""
+        assert self._sub is not None
+        while not _has_message(self._sub):
+            self._wake = loop.create_future()
+            try:
+                await self._wake
+            finally:
+                self._wake = None
+
+    def _on_fd(self) -> None:
+        """The SUB's fd is readable: reading EVENTS lets ZMQ clear it (else the loop would
+        call this on every iteration while messages wait), and wakes a waiting _run."""
+        sub, wake = self._sub, self._wake
+        if sub is None or sub.closed:
+            return
+        if _has_message(sub) and wake is not None and not wake.done():
+            wake.set_result(None)
 
     async def _guarded(self, work: Coroutine[object, object, None]) -> None:
         """Perform a message's (or the catch-up's) plan; on failure, resync next time."""
