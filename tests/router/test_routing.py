@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from router.config import LimitsConfig, TenantsConfig
@@ -148,6 +148,9 @@ def test_chain_cache_reuses_branches_and_repeats_exactly() -> None:
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 70), st.integers(0, 40)),
                 min_size=1, max_size=12))
+# Found by CI: the last request's 17 blocks were known (a prefix of the second's) and an
+# earlier request had 17 blocks too, but other ones: not asked before.
+@example([(0, 0, 17), (0, 17, 1), (0, 17, 0)])
 def test_chain_cache_hashes_at_most_a_stride_more_than_is_new(
         turns: list[tuple[int, int, int]]) -> None:
     # Requests built from a few shared histories (a prefix of one, then new blocks):
@@ -165,7 +168,7 @@ def test_chain_cache_hashes_at_most_a_stride_more_than_is_new(
         blocks = len(tokens) // 16
         known = max((_common_blocks(tokens, old) for old in seen), default=0)
         assert cache.hashed_blocks - before <= blocks - known + PRINT_STRIDE - 1
-        if known == blocks and any(len(old) // 16 == blocks for old in seen):
+        if any(len(old) // 16 == blocks == _common_blocks(tokens, old) for old in seen):
             assert cache.hashed_blocks == before  # asked before: nothing hashed
         seen.append(tokens)
 
