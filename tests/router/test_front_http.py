@@ -53,12 +53,17 @@ async def _ok(request: web.Request) -> web.Response:
 RELEASE = web.AppKey("release", asyncio.Event)
 
 
-@pytest.fixture
-async def replica() -> AsyncIterator[tuple[str, asyncio.Event]]:
+def _replica_app() -> web.Application:
     app = web.Application()
     app[RELEASE] = asyncio.Event()
     app.router.add_get("/health", _ok)
     app.router.add_post("/v1/completions", _completions)
+    return app
+
+
+@pytest.fixture
+async def replica() -> AsyncIterator[tuple[str, asyncio.Event]]:
+    app = _replica_app()
     async with serving(app) as url:
         yield url, app[RELEASE]
 
@@ -277,11 +282,8 @@ def test_requests_are_routed_on_uvloop() -> None:
     import uvloop  # a test dependency (pyproject.toml)
 
     async def scenario() -> None:
-        app = web.Application()
-        app[RELEASE] = asyncio.Event()
+        app = _replica_app()
         app[RELEASE].set()
-        app.router.add_get("/health", _ok)
-        app.router.add_post("/v1/completions", _completions)
         port = free_port()
         async with serving(app) as url, \
                 running_gateway(build_app(_config(url, port)), "127.0.0.1", port):
