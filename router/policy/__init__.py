@@ -15,6 +15,8 @@ replica best first. cache_aware minimises the predicted time to first token:
              + kv_cost_s * max(0, kv_usage - kv_threshold) / (1 - kv_threshold)
     hot      = hot_cost_s * max(0, load - (hot_ratio * mean_load + hot_slack))
     ttft     = queue + hot + prefill
+    cost     = ttft + the delay its prefill adds for the requests waiting there
+               (the least prefill it could cost, for at most defer_cap of them)
     score    = 1 / (1 + (cost - best cost) / its cold prefill)   in (0, 1]
 
 and samples, weighted by score, among replicas within `tolerance` x its own cold

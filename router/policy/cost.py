@@ -39,7 +39,8 @@ half quicker for a short prompt (on the 8-sim Mooncake synthetic window from 450
 
 What cache_aware minimises is that TTFT plus the delay its prefill adds for others:
 
-    cost      = ttft + work_weight * waiting * bias * max(0, work - least_work)
+    cost      = ttft + work_weight * bias * (waiting * max(0, work - least_work)
+                                             + min(waiting, defer_cap) * min(work, least_work))
     work      = prefill - base_s               # (unbiased) what it adds to the queue there
     least_work = min over the candidates of work   # where its best cache match is
     waiting   = pending + max(external_left, peer_pending)  # waiting for a prefill there
@@ -53,12 +54,15 @@ on a backed-up one a cache hit (little prefill) is worth more than its own TTFT 
 because recomputing a cold prefix there costs everyone queued after it. A hot replica's
 growing queue also makes it dearer for everything, so a popular prefix still spreads.
 
-With `work_relative` only the work above the least it could cost anywhere is charged
-(`least_work`, else 0): a prompt cold everywhere then goes where its first token comes
-soonest instead of to the fewest-waiting replica. Measured, it did not pay (docs/POLICY.md):
-charging the whole prefill sends long cold prompts to short lines and keeps the many
-short ones quicker, and the long ones' tail did not measurably grow. So it is off by
-default.
+The work above the least is fleet capacity spent (a cold prefill where a hit was
+possible), charged for every request waiting. The least itself is spent wherever the
+request goes: charging it per waiting request sends long cold prompts to short lines,
+a bet that short requests come next (those waiting are ahead of it, first come first
+served), which keeps the many short prompts quick at the long ones' expense. `defer_cap`
+(None: no cap) charges it for at most that many waiting requests, so a prompt is made to
+wait at most defer_cap of its own least prefill beyond its soonest first token
+(`work_relative` is a cap of 0: it then goes where its first token comes soonest).
+docs/POLICY.md has the runs.
 
 With `fleet_waiting` the requests a prefill delays are at least the fleet's mean waiting
 per replica: on a fleet past its capacity an idle replica does not stay idle (the
@@ -181,6 +185,12 @@ def mean_waiting(request: RoutingRequest, replicas: Sequence[ReplicaState],
     return sum(waiting_for_prefill(request, r, config) for r in replicas) / len(replicas)
 
 
+def defer_cap(config: PolicyConfig) -> float | None:
+    """How many waiting requests the least prefill a request could cost is charged for
+    (None: all of them); `work_relative` is a cap of 0."""
+    return 0.0 if config.work_relative else config.defer_cap
+
+
 def estimate_ttft(
     request: RoutingRequest, replica: ReplicaState, fleet_mean_load: float, config: PolicyConfig,
     least_work_s: float = 0.0, floor_waiting: float = 0.0,
@@ -230,5 +240,15 @@ def estimate_ttft(
     # the replica served since the scrape waits behind no one. `floor_waiting`
     # (fleet_waiting): at least the fleet's mean, which an idle replica soon has too.
     waiting_there = max(_waiting(replica, external_now), floor_waiting)
-    delay_s = config.work_weight * waiting_there * bias * max(0.0, queued_work_s - least_work_s)
+    # The work above the least it could cost anywhere is fleet capacity spent (a cold
+    # prefill where a cache hit was possible): charged for every request waiting. The
+    # least itself is spent wherever it goes; charging it sends long prompts to short
+    # lines (the requests waiting there are ahead of it, first come first served, so
+    # this is a bet on who comes next), which keeps the many short prompts quick at the
+    # long ones' expense: `defer_cap` bounds that bet to so many of its own prefills.
+    cap = defer_cap(config)
+    above = max(0.0, queued_work_s - least_work_s)
+    base = min(queued_work_s, least_work_s)
+    base_waiting = waiting_there if cap is None else min(waiting_there, cap)
+    delay_s = config.work_weight * bias * (waiting_there * above + base_waiting * base)
     return TtftEstimate(cached, queue_s, hot_s, prefill_s, queued_work_s, delay_s)

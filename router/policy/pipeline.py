@@ -23,7 +23,7 @@ import random
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
-from router.policy.cost import estimate_ttft, least_work, mean_load, mean_waiting
+from router.policy.cost import defer_cap, estimate_ttft, least_work, mean_load, mean_waiting
 from router.policy.filters import DEFAULT_FILTERS, Filter, apply_filters
 from router.policy.pickers import (
     BestPicker,
@@ -83,7 +83,8 @@ class Policy:
             raise ValueError(f"replica ids must be unique, got {sorted(ids)}")
         eligible, relaxed = apply_filters(self.filters, request, replicas)
         fleet_mean = mean_load(eligible)
-        least = least_work(request, eligible, self.config) if self.config.work_relative else 0.0
+        least = least_work(request, eligible, self.config) if defer_cap(self.config) is not None \
+            else 0.0
         floor = mean_waiting(request, eligible, self.config) if self.config.fleet_waiting else 0.0
         estimates = {
             r.replica_id: estimate_ttft(request, r, fleet_mean, self.config, least, floor)

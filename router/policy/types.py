@@ -73,6 +73,11 @@ class PolicyConfig:
     `fleet_waiting`: the requests a prefill delays are at least the fleet's mean waiting
     per replica, not only those waiting where it goes (False, the default; see
     router/policy/cost.py and docs/POLICY.md for the runs).
+    `defer_cap`: of the least prefill a request could cost anywhere, charge the delay to
+    at most this many waiting requests (0.5, the default; None: all of them; 0 is
+    `work_relative`): a long cold prompt then waits at most half its own prefill beyond
+    its soonest first token so that short ones stay quick (router/policy/cost.py;
+    docs/POLICY.md has the runs that set it).
     `weights` overrides the policy's scorer weights by
     scorer name.
     """
@@ -97,6 +102,7 @@ class PolicyConfig:
     share_work: bool = True
     spread_ties: bool = True
     fleet_waiting: bool = False
+    defer_cap: float | None = 0.5
 
 
 @dataclass(frozen=True)

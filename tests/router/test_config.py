@@ -158,6 +158,10 @@ def test_the_readmes_running_it_commands_fit_the_example_file() -> None:
             "policy.kv_threshold: must be at most 1.0",
         ),
         (
+            ["replicas[0].url=http://a:1", "policy.defer_cap=-1"],
+            "policy.defer_cap: must not be negative, got -1.0",
+        ),
+        (
             ["replicas[0].url=http://a:1", "index.backend=postgres://x"],
             "index.backend: must be 'memory' or a redis:// URL",
         ),
@@ -327,6 +331,14 @@ def test_structured_override_values() -> None:
     )
     assert [r.block_size for r in config.replicas] == [32, 16]
     assert dict(config.policy.weights) == {"ttft": 1.0, "prefix": 0.5}
+
+
+def test_defer_cap_defaults_to_half_and_null_lifts_it() -> None:
+    assert load_config(None, {}, ["replicas[0].url=http://a:1"]).policy.defer_cap == 0.5
+    lifted = load_config(None, {}, ["replicas[0].url=http://a:1", "policy.defer_cap=null"])
+    assert lifted.policy.defer_cap is None
+    assert load_config(None, {}, ["replicas[0].url=http://a:1",
+                                  "policy.defer_cap=2"]).policy.defer_cap == 2.0
 
 
 def test_tenant_keys_mapping_form_and_secrets_stay_out_of_messages_and_reprs() -> None:

@@ -621,14 +621,62 @@ def test_delay_to_others_is_charged_only_above_the_least_work_it_could_cost() ->
     r1 = ReplicaState("r1", block_size=16, pending=4, queued_prefill_s=0.15)
     d = policy(tolerance=0.0, work_relative=True).decide(long_prompt, [r0, r1])
     assert d.replica_id == "r1" and d.costs["r1"] < d.costs["r0"]
-    # The default charges the whole prefill per waiting request: the shorter line wins.
-    absolute = policy(tolerance=0.0).decide(long_prompt, [r0, r1])
+    # Uncapped, the whole prefill is charged per waiting request: the shorter line wins.
+    absolute = policy(tolerance=0.0, defer_cap=None).decide(long_prompt, [r0, r1])
     assert absolute.replica_id == "r0"
     # Where a replica holds the prompt the others are charged the work they add above it.
-    config = PolicyConfig()
+    config = PolicyConfig(work_relative=True)
     hit = replace(r0, matched_blocks=(8000 - 1) // 16)
     least = config.prefill.seconds(8000 - 499 * 16, 8000) - config.prefill.base_s
     est = estimate_ttft(long_prompt, r1, 0.0, config, least)
     cold = config.prefill.seconds(8000, 8000) - config.prefill.base_s
     assert est.delay_to_others_s == pytest.approx(4 * (cold - least))
     assert policy(tolerance=0.0, work_relative=True).decide(long_prompt, [hit, r1]).replica_id == "r0"
+
+
+def test_defer_cap_bounds_how_long_a_cold_prompt_waits_for_the_short_ones() -> None:
+    # A long prompt, cold everywhere: r0 has one request waiting behind 2 prefills of
+    # this prompt's length of queued work, r1 four behind less. Charging its prefill per
+    # waiting request (defer_cap None) sends it to r0, the shorter line, where its own
+    # first token comes two of its prefills later than on r1; `defer_cap` 0.5 charges
+    # the prefill to at most half a waiting request, so it cannot wait more than half its
+    # prefill longer for the others' sake and goes to r1.
+    long_prompt = request(8000)
+    config = PolicyConfig(defer_cap=None)
+    own = config.prefill.seconds(8000, 8000)
+    r1 = ReplicaState("r1", block_size=16, pending=4, queued_prefill_s=0.1)
+    r0 = ReplicaState("r0", block_size=16, pending=1, queued_prefill_s=0.1 + 2 * own)
+    unbounded = policy(tolerance=0.0, defer_cap=None).decide(long_prompt, [r0, r1])
+    assert unbounded.replica_id == "r0"
+    assert unbounded.costs["r0"] - unbounded.costs["r1"] > own
+    assert policy(tolerance=0.0, defer_cap=0.5).decide(long_prompt, [r0, r1]).replica_id == "r1"
+    # The cap leaves a cache hit its worth: the work a cold prefill adds above the hit's
+    # is still charged for every request waiting.
+    hit = replace(r0, queued_prefill_s=0.3, matched_blocks=(8000 - 1) // 16)
+    cold = replace(r1, queued_prefill_s=0.0)
+    with_hit = policy(tolerance=0.0, defer_cap=0.5).decide(long_prompt, [hit, cold])
+    assert with_hit.replica_id == "r0" and with_hit.costs["r0"] > with_hit.costs["r1"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 12), st.floats(0.0, 5.0), st.integers(0, 16),
+                       st.floats(0.5, 2.0)), min_size=1, max_size=8),
+    st.integers(1, 32000),
+    st.sampled_from([0.0, 0.25, 0.5, 1.0, 3.0]),
+    st.booleans(),
+)
+def test_defer_cap_bounds_the_wait_beyond_the_soonest_first_token(
+    lines: list[tuple[int, float, int, float]], tokens: int, cap: float, fleet_waiting: bool,
+) -> None:
+    # Cold everywhere, the prompt's own prefill is the same work wherever it goes; what
+    # the delay to others may cost it, over the soonest predicted first token, is at
+    # most `defer_cap` of that prefill (at the largest learned bias).
+    states = [ReplicaState(f"r{i}", block_size=16, pending=pending, queued_prefill_s=queued,
+                           decoding=decoding, bias=bias)
+              for i, (pending, queued, decoding, bias) in enumerate(lines)]
+    config = PolicyConfig(tolerance=0.0, defer_cap=cap, fleet_waiting=fleet_waiting)
+    d = build_policy(config, random.Random(0)).decide(request(tokens), states)
+    work = config.prefill.seconds(tokens, tokens) - config.prefill.base_s
+    slack = cap * max(s.bias for s in states) * work
+    assert d.costs[d.replica_id] <= min(d.costs.values()) + slack + 1e-9
