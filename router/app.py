@@ -67,6 +67,7 @@ from router.metrics import (
 )
 from router.pending import PendingChains
 from router.policy.pipeline import build_policy
+from router.prefill_hold import PrefillHold
 from router.proxy import Forwarder
 from router.read_deadline import FrontFactory, ReadDeadlineSite
 from router.replicas import Fleet, Replica, ReplicaSource, verify_keys
@@ -192,7 +193,8 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
         policy=build_policy(gw.config.policy, gw.rng),
         index_deadline_s=gw.config.index.deadline_ms / 1000.0, executor=gw.executor,
         pending=PendingChains(ttl_s=gw.config.policy.pending_ttl_s), clock=fleet.now,
-        shared=_shared_work(gw, fleet), segments=_shared_segments(gw))
+        shared=_shared_work(gw, fleet), segments=_shared_segments(gw),
+        hold=_prefill_hold(gw, fleet))
     assert gw.upstream is not None
     gw.forwarder = Forwarder(gw.session, gw.upstream, fleet, gw.config.proxy, gw.metrics,
                              gw.rng)
@@ -253,10 +255,20 @@ def _shared_work(gw: Gateway, fleet: Fleet) -> SharedWork | None:
     def share(replica: Replica) -> None:
         def changed(now: float) -> None:
             shared.publish(replica.replica_id, replica.work.view(now))
-        replica.work.listener = changed
+        replica.work.listeners.append(changed)
 
     fleet.listeners.added.append(share)
     return shared
+
+
+def _prefill_hold(gw: Gateway, fleet: Fleet) -> PrefillHold | None:
+    """With policy.hold_cap, requests wait here while every replica's prefill queue is
+    full (router/prefill_hold.py); each change of a replica's work is a look again."""
+    if gw.config.policy.hold_cap is None or gw.config.policy.name != "cache_aware":
+        return None
+    hold = PrefillHold(fleet.now)
+    fleet.listeners.added.append(lambda r: r.work.listeners.append(hold.changed))
+    return hold
 
 
 def _shared_segments(gw: Gateway) -> SharedSegments | None:

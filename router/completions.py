@@ -81,16 +81,18 @@ class Stages:
     parsed: float = 0.0
     routed: float = 0.0
     forwarded: float = 0.0
+    held_s: float = 0.0  # of parse -> routed, held before the decision (prefill_hold.py)
 
     def server_timing(self, now: float) -> str:
         """parse: the body read and checked; route: tokenized, keyed, looked up and
-        decided; admit: admission and the upstream request built; upstream: from
+        decided; hold: held for a replica's prefill queue to fall under a step (not part
+        of route); admit: admission and the upstream request built; upstream: from
         forwarding until the answer can go out (streamed: its first token; else the whole
         body), failovers included."""
-        marks = (("parse", self.arrived, self.parsed), ("route", self.parsed, self.routed),
-                 ("admit", self.routed, self.forwarded), ("upstream", self.forwarded, now))
-        return ", ".join(f"{name};dur={max(0.0, end - start) * 1000:.2f}"
-                         for name, start, end in marks)
+        marks = (("parse", self.parsed - self.arrived),
+                 ("route", self.routed - self.parsed - self.held_s), ("hold", self.held_s),
+                 ("admit", self.forwarded - self.routed), ("upstream", now - self.forwarded))
+        return ", ".join(f"{name};dur={max(0.0, dur) * 1000:.2f}" for name, dur in marks)
 
 
 async def handle_completion(request: web.Request) -> web.StreamResponse:
@@ -146,6 +148,7 @@ async def _route_and_forward(gw: Gateway, request: AnyRequest, raw: bytes, tenan
     except NoReplicasError:
         return json_error(503, "no replica serves this model", "service_unavailable")
     stages.routed = time.perf_counter()
+    stages.held_s = route.held_s
     try:
         return await _admit_and_forward(gw, request, route, tenant, parsed, served, stages,
                                         turn)

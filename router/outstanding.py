@@ -132,12 +132,12 @@ class OutstandingWork:
     fleet_readings: ReadingCount = field(default_factory=ReadingCount)
     _fleet_at_last: int = 0
     # Told (with `now`) after every change: router/shared_work.py shares the new state
-    # with other gateways.
-    listener: Callable[[float], None] | None = None
+    # with other gateways, router/prefill_hold.py looks again at what it holds.
+    listeners: list[Callable[[float], None]] = field(default_factory=list)
 
     def _changed(self, now: float) -> None:
-        if self.listener is not None:
-            self.listener(now)
+        for listener in self.listeners:
+            listener(now)
 
     def begin(self, now: float, prefill_s: float, predicted_ttft_s: float, stream: bool,
               predicted_cached: int | None = None) -> int:

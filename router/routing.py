@@ -39,8 +39,11 @@ from router.index import IndexUnavailable, PrefixIndex
 from router.native import pack_ids
 from router.outstanding import WorkView, fleet_bias, toward_fleet
 from router.pending import PendingChains, merge_matches
+from router.policy.cost import least_work, queue_ahead, seconds_to_room, step_s
 from router.policy.pipeline import NoReplicasError
-from router.policy.types import ReplicaState, RoutingDecision, RoutingRequest
+from router.policy.types import PolicyConfig, ReplicaState, RoutingDecision, RoutingRequest
+from router.prefill_hold import PrefillHold
+from router.prefill_hold import Turn as HoldTurn
 from router.replicas import Replica
 from router.request import ParsedRequest
 from router.shared_segments import SharedSegments
@@ -575,6 +578,8 @@ def snapshot(replica: Replica, matched_blocks: int, now: float,
 
 
 class Policy(Protocol):
+    config: PolicyConfig
+
     def decide(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> RoutingDecision: ...
 
 
@@ -604,6 +609,8 @@ class Route:
     # Set when the request goes upstream: a request refused after routing (context
     # length, overload) never reaches its replica, so its pending chain must not stay.
     sent: bool = False
+    # Seconds it was held at the gateway before its decision (router/prefill_hold.py).
+    held_s: float = 0.0
 
     def predicted_for(self, replica_id: str) -> int:
         return self.predicted.get(replica_id, 0)
@@ -664,6 +671,47 @@ class RoutingPipeline:
     clock: Callable[[], float] = time.monotonic
     shared: SharedWork | None = None
     segments: SharedSegments | None = None
+    # Requests held while every replica's prefill queue is full (policy.hold_cap).
+    hold: PrefillHold | None = None
+
+    def _states(self, replicas: Sequence[Replica], matches: Mapping[str, int], now: float,
+                peers: Mapping[str, PeerWork]) -> list[ReplicaState]:
+        """Every replica's state for one decision, its learned TTFT bias drawn toward
+        its fleet's by its own evidence."""
+        views = {r.replica_id: r.work.view(now) for r in replicas}
+        fleet = fleet_bias(views.values())
+        return [snapshot(r, matches.get(r.replica_id, 0), now,
+                         toward_fleet(views[r.replica_id], fleet),
+                         peers.get(r.replica_id, NO_PEER_WORK)) for r in replicas]
+
+    def _hold_turn(self, request: RoutingRequest, replicas: Sequence[Replica],
+                   states: Sequence[ReplicaState], peers: Mapping[str, PeerWork],
+                   now: float) -> HoldTurn | None:
+        """The request's turn in the hold (None where the policy holds nothing): by its
+        arrival plus hold_cap of the least prefill it could cost (its best match's)."""
+        config = self.policy.config
+        # cache_aware's alone: the simple policies stay what their names say (baselines).
+        if self.hold is None or config.hold_cap is None or config.name != "cache_aware":
+            return None
+        # The replicas the policy may choose (those given serve the model already).
+        eligible = [s for s in states if s.healthy and not s.ejected] or list(states)
+        if self.hold.quiet(request.model) and any(
+                queue_ahead(request, s, config) < step_s(s, config) for s in eligible):
+            return None  # the common case: some replica has room, and no one is held
+        deadline = now + config.hold_cap * least_work(request, eligible, config)
+        room_now = seconds_to_room(request, eligible, config)
+        ids = {s.replica_id for s in eligible}
+        shared = self.shared
+
+        def room(t: float) -> float:
+            # Other gateways' work as followed now, where it is (else as read for it).
+            followed = shared.followed() if shared is not None else None
+            live = [snapshot(r, 0, t, None, (followed or peers).get(r.replica_id,
+                                                                    NO_PEER_WORK))
+                    for r in replicas if r.replica_id in ids]
+            return seconds_to_room(request, live, config)
+
+        return self.hold.turn(request.model, deadline, room, room_now)
 
     def _with_pending(self, model: str, readable: Mapping[HashConfig, tuple[int, ...]],
                       members: Mapping[HashConfig, set[str]], lookup: LookupResult,
@@ -766,17 +814,41 @@ class RoutingPipeline:
             matches = self._with_pending(parsed.model, readable, members, lookup, now)
         elif overlapping:
             matches = self._with_pending(parsed.model, readable, members, lookup, now)
-        # Each replica's learned TTFT bias, drawn toward its fleet's by its own evidence.
-        views = {r.replica_id: r.work.view(now) for r in replicas}
-        fleet = fleet_bias(views.values())
-        states = [snapshot(r, matches.get(r.replica_id, 0), now,
-                           toward_fleet(views[r.replica_id], fleet),
-                           peers.get(r.replica_id, NO_PEER_WORK)) for r in replicas]
         primary = max(prompt.keys.items(), key=lambda kv: len(members[kv[0]]),
                       default=(None, ()))[1]
         request = RoutingRequest(model=parsed.model, keys=primary,
                                  num_prompt_tokens=prompt.num_tokens, tenant=tenant,
                                  session_key=session_key)
+        states = self._states(replicas, matches, now, peers)
+        hold_turn = self._hold_turn(request, replicas, states, peers, now)
+        held_s = 0.0
+        try:
+            if hold_turn is not None and not hold_turn.go_now():
+                waited = time.perf_counter()
+                async with turn.away():
+                    await hold_turn.wait()
+                # The time held is not the decision's (route.held_s says it).
+                held_s = time.perf_counter() - waited
+                started += held_s
+                # Decided when let go, on the queues and pending chains as they are now.
+                now = self.clock()
+                if self.shared is not None and (followed := self.shared.followed()):
+                    peers = followed
+                matches = self._with_pending(parsed.model, readable, members, lookup, now)
+                states = self._states(replicas, matches, now, peers)
+            route = self._decide(parsed, prompt, request, states, replicas, lookup, matches,
+                                 now, started, cache_salt, reserve)
+            route.held_s = held_s
+            return route
+        finally:
+            if hold_turn is not None:
+                hold_turn.done()
+
+    def _decide(self, parsed: ParsedRequest, prompt: PreparedPrompt, request: RoutingRequest,
+                states: Sequence[ReplicaState], replicas: Sequence[Replica],
+                lookup: LookupResult, matches: Mapping[str, int], now: float, started: float,
+                cache_salt: str | None, reserve: bool) -> Route:
+        """The policy's decision on `states`, its work reserved and its chain pending."""
         decision = self.policy.decide(request, states)
         by_id = {r.replica_id: r for r in replicas}
         reserved: dict[str, int] = {}

@@ -316,6 +316,7 @@ def _policy(s: _Section) -> PolicyConfig:
         spread_ties=s.get("spread_ties", _bool, d.spread_ties),
         fleet_waiting=s.get("fleet_waiting", _bool, d.fleet_waiting),
         defer_cap=s.get("defer_cap", _optional(_nonneg_number), d.defer_cap),
+        hold_cap=s.get("hold_cap", _optional(_nonneg_number), d.hold_cap),
     )
     if out.kv_threshold >= 1.0:
         raise ConfigError(s.sub("kv_threshold"), f"must be below 1.0, got {out.kv_threshold!r}")

@@ -185,6 +185,32 @@ def mean_waiting(request: RoutingRequest, replicas: Sequence[ReplicaState],
     return sum(waiting_for_prefill(request, r, config) for r in replicas) / len(replicas)
 
 
+def queue_ahead(request: RoutingRequest, replica: ReplicaState, config: PolicyConfig) -> float:
+    """Predicted seconds of prefill queued on the replica ahead of a request sent now:
+    ours (outstanding.py) and the larger of other gateways' (shared through Redis: fresh,
+    theirs only) and every other client's (the scrape: late, drained since). The same
+    requests twice over: the larger, not the sum."""
+    external_s, _ = _others_waiting(request, replica, config)
+    return replica.queued_prefill_s + max(external_s, replica.peer_wait_s)
+
+
+def step_s(replica: ReplicaState, config: PolicyConfig) -> float:
+    """Predicted seconds of one full prefill step on the replica (its per-step token
+    budget, prefill_chunk_tokens, through its profile and learned bias, less the step's
+    base, as queued work is counted)."""
+    profile: PrefillProfile = replica.profile or config.prefill
+    return replica.bias * profile.per_token_s * config.prefill_chunk_tokens
+
+
+def seconds_to_room(request: RoutingRequest, replicas: Sequence[ReplicaState],
+                    config: PolicyConfig) -> float:
+    """Predicted seconds until some replica has less than a full step of prefill queued
+    (<= 0: one has now): when a request held at the gateway may go (prefill_hold.py).
+    The queues drain as time passes, one second a second; no replica: room now."""
+    return min((queue_ahead(request, r, config) - step_s(r, config) for r in replicas),
+               default=0.0)
+
+
 def defer_cap(config: PolicyConfig) -> float | None:
     """How many waiting requests the least prefill a request could cost is charged for
     (None: all of them); `work_relative` is a cap of 0."""
@@ -207,7 +233,8 @@ def estimate_ttft(
 
     external_s, external_now = _others_waiting(request, replica, config)
     # Other gateways' queue twice over: shared through Redis (fresh, theirs only) and in
-    # the scrape (late, every client's). The same requests: take the larger, not the sum.
+    # the scrape (late, every client's). The same requests: take the larger, not the sum
+    # (queue_ahead, its parts computed once).
     work_s = replica.queued_prefill_s + max(external_s, replica.peer_wait_s)
     steps = max(1, -(-uncached // max(1, config.prefill_chunk_tokens)))
     others_running = max(replica.external_running, replica.peer_decoding)

@@ -78,6 +78,12 @@ class PolicyConfig:
     `work_relative`): a long cold prompt then waits at most half its own prefill beyond
     its soonest first token so that short ones stay quick (router/policy/cost.py;
     docs/POLICY.md has the runs that set it).
+    `hold_cap`: while every replica has a full prefill step or more queued, the gateway
+    holds new requests and lets them go, as a replica's queue falls under a step, in
+    order of arrival plus hold_cap of their least prefill, and each at the latest then:
+    short prompts overtake long ones at the gateway, where the replicas' own queues are
+    first come, first served (cache_aware only; router/prefill_hold.py; 0.5, the
+    default: docs/POLICY.md has the runs; None: no holding).
     `weights` overrides the policy's scorer weights by
     scorer name.
     """
@@ -103,6 +109,7 @@ class PolicyConfig:
     spread_ties: bool = True
     fleet_waiting: bool = False
     defer_cap: float | None = 0.5
+    hold_cap: float | None = 0.5
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,10 @@ def test_the_readmes_running_it_commands_fit_the_example_file() -> None:
             "policy.defer_cap: must not be negative, got -1.0",
         ),
         (
+            ["replicas[0].url=http://a:1", "policy.hold_cap=-0.5"],
+            "policy.hold_cap: must not be negative, got -0.5",
+        ),
+        (
             ["replicas[0].url=http://a:1", "index.backend=postgres://x"],
             "index.backend: must be 'memory' or a redis:// URL",
         ),

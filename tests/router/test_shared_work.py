@@ -59,7 +59,7 @@ async def test_gateways_see_each_others_work_until_it_ends(redis_server: Any) ->
     a = SharedWork(client_a, gateway_id="a")
     b = SharedWork(client_b, gateway_id="b")
     replica = _replicas(1)[0]
-    replica.work.listener = lambda now: a.publish(replica.replica_id, replica.work.view(now))
+    replica.work.listeners.append(lambda now: a.publish(replica.replica_id, replica.work.view(now)))
     try:
         assert await b.read(1.0) == {}
         token = replica.work.begin(time.monotonic(), 0.4, 0.4, stream=True)
@@ -111,7 +111,7 @@ async def test_a_second_gateway_avoids_the_replica_another_just_loaded(redis_ser
     shared_b = SharedWork(client, gateway_id="b")
     fleet_a, fleet_b = _replicas(2), _replicas(2)
     for r in fleet_a:
-        r.work.listener = (lambda now, r=r: shared_a.publish(r.replica_id, r.work.view(now)))
+        r.work.listeners.append(lambda now, r=r: shared_a.publish(r.replica_id, r.work.view(now)))
     gateway_a = _pipeline(shared_a)
     try:
         first = await gateway_a.route(_body([1] * 2048), fleet_a, time.monotonic(),
