@@ -87,6 +87,17 @@ def before_upstream_s(server_timing: str | None) -> float | None:
     return sum(durations[stage] for stage in _BEFORE_UPSTREAM)
 
 
+def held_s(server_timing: str | None) -> float | None:
+    """Seconds our gateway held a request before deciding it (Server-Timing's hold:
+    router/prefill_hold.py), or None without that stage."""
+    if not server_timing:
+        return None
+    try:
+        return server_timing_stages(server_timing).get("hold")
+    except ValueError:
+        return None
+
+
 def summarize(run: PolicyRun, time_scale: float = 1.0) -> dict[str, Any]:
     """The table row of one policy: latency percentiles, throughput, hits, balance."""
     done = run.result.completed()
@@ -138,6 +149,11 @@ def summarize(run: PolicyRun, time_scale: float = 1.0) -> dict[str, Any]:
     # rest is the hops, the replica's HTTP side and the client.
     row["before_upstream_mean_s"] = float(np.mean(handler)) if handler and \
         len(handler) == len(done) else None
+    # Of the TTFT at the replicas' doors, what it waited at the gateway for a queue to
+    # fall under a step (policy.hold_cap): over every request, held or not.
+    held = [t * time_scale for r in done if (t := held_s(r.server_timing)) is not None]
+    row["held_mean_s"] = float(np.mean(held)) if held and len(held) == len(done) else None
+    row["held_requests"] = sum(1 for t in held if t > 0)
     row["replica_ttft_mean_s"] = row["ttft_outside_mean_s"] = None
     if run.replica_ttft is not None and run.replica_ttft[0] == len(ttft) and ttft:
         at_replicas = run.replica_ttft[1] / run.replica_ttft[0] * time_scale
@@ -229,6 +245,11 @@ def outside_lines(aggregated: Sequence[dict[str, Any]]) -> list[str]:
             own = "" if not before else (
                 f"; {_ms(before['median'])} ms ({_ms(before['min'])}-{_ms(before['max'])}) "
                 "of it in the gateway before going upstream")
+            held = a.get("held_mean_s")
+            if held and held["max"] > 0:
+                own += (f"; held there for a replica's queue to fall under a step "
+                        f"{_ms(held['median'])} ms a request ({_ms(held['min'])}-"
+                        f"{_ms(held['max'])})")
             out.append(f"  - {a['policy']}: {_ms(outside['median'])} ms "
                        f"({_ms(outside['min'])}-{_ms(outside['max'])}) of a "
                        f"{_ms(mean['median'])} ms mean{own}")
