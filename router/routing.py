@@ -830,7 +830,12 @@ class RoutingPipeline:
                 # The time held is not the decision's (route.held_s says it).
                 held_s = time.perf_counter() - waited
                 started += held_s
-                # Decided when let go, on the queues and pending chains as they are now.
+                # Decided when let go, on the index, the queues and the pending chains as
+                # they are now: held up to hold_cap of a prefill, other prompts' blocks may
+                # have been stored since (an in-process index answers at once; Redis is
+                # one more round trip, for a request held far longer).
+                lookup = await lookup_matches(self.index, parsed.model, readable, members,
+                                              self.index_deadline_s, turn)
                 now = self.clock()
                 if self.shared is not None and (followed := self.shared.followed()):
                     peers = followed

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from router.config import LimitsConfig, TenantsConfig
-from router.hashing import HashConfig
+from router.hashing import HashConfig, chain_hashes, event_key
 from router.index import MemoryIndex
 from router.policy.pipeline import build_policy
 from router.policy.types import PolicyConfig, PrefillProfile
@@ -184,3 +184,36 @@ async def test_a_short_prompt_is_decided_before_a_long_one_while_the_replica_is_
     assert hold.holding() == 0
     # Each is counted on the replica as it was decided: the long one queued behind.
     assert replica.work.view(time.monotonic()).pending == 2
+
+
+async def test_a_held_request_is_decided_on_the_index_as_it_is_when_let_go() -> None:
+    # Two replicas, each more than a step (200 tokens at 0.1 ms: 20 ms) of prefill behind:
+    # r0 by 1.0 s, r1 by 1.2 s. The prompt (4k tokens, ~0.41 s cold) is held until its
+    # deadline (half that), and meanwhile r1 stores its whole chain (another gateway's
+    # request, say): decided then, it goes to r1, where it costs next to nothing.
+    profile = PrefillProfile(base_s=0.01, per_token_s=1e-4, per_token_context_s=0.0)
+    config = PolicyConfig(name="cache_aware", seed=1, prefill=profile, hold_cap=0.5,
+                          prefill_chunk_tokens=200)
+    hold = PrefillHold(time.monotonic)
+    index = MemoryIndex()
+    pipeline = RoutingPipeline(tokenizers={}, chains=ChainCache(), index=index,
+                               policy=build_policy(config), index_deadline_s=1.0, hold=hold)
+    fleet = [Replica(target=ReplicaSource(name=f"r{i}", url=f"http://127.0.0.1:{9000 + i}",
+                                          models=("m",), hash_config=BLOCK).target(),
+                     healthy=True) for i in range(2)]
+    now = time.monotonic()
+    for replica, queued_s in zip(fleet, (1.0, 1.2), strict=True):
+        replica.work.listeners.append(hold.changed)
+        replica.work.begin(now, queued_s, queued_s, True)
+    prompt = list(range(1, 4097))
+    raw = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 1}).encode()
+    parsed = parse_request(raw, "completions", served_models=(), limits=LimitsConfig(),
+                           tenant=REGISTRY.identify(None), registry=REGISTRY)
+    task = asyncio.create_task(pipeline.route(parsed, fleet, time.monotonic(), None, None,
+                                              offload=False, reserve=True))
+    await _until(lambda: hold.holding() == 1)
+    await index.add("m", "r1", [event_key(d) for d in chain_hashes(BLOCK, prompt)])
+    route = await asyncio.wait_for(task, 5.0)
+    assert route.held_s > 0
+    assert route.matches == {"r1": 256}
+    assert route.decision.replica_id == "r1"
