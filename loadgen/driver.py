@@ -36,6 +36,9 @@ import aiohttp
 from loadgen.workloads import PlannedRequest, TimedRequest, Workload, poisson_arrivals
 
 REPLICA_HEADER = "x-cacheroute-replica"
+# The SSE comment that names the replica answering when a failover came after the head
+# went out naming another (router/proxy.py).
+_ANSWERED_BY = b": " + REPLICA_HEADER.encode() + b":"
 PREDICTED_HEADER = "x-cacheroute-predicted-cached-tokens"
 CANDIDATES_HEADER = "x-cacheroute-candidates"
 
@@ -348,6 +351,8 @@ class Driver:
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data:"):
+                    if line.startswith(_ANSWERED_BY):  # a failover after the head
+                        rec.replica = line[len(_ANSWERED_BY):].strip().decode()
                     continue
                 data = line[5:].strip()
                 if data == b"[DONE]":

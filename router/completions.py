@@ -25,7 +25,7 @@ from router.gateway import (
 )
 from router.policy.pipeline import NoReplicasError
 from router.policy.types import RoutingDecision
-from router.proxy import UpstreamRequest, json_error, remote_tokenize
+from router.proxy import REPLICA_HEADER, UpstreamRequest, json_error, remote_tokenize
 from router.recording import holds_unannounced_blocks, record_blocks, record_outcome
 from router.replicas import Replica
 from router.request import ENDPOINTS, ClientError, ParsedRequest, parse_request, upstream_payload
@@ -87,8 +87,9 @@ class Stages:
         """parse: the body read and checked; route: tokenized, keyed, looked up and
         decided; hold: held for a replica's prefill queue to fall under a step (not part
         of route); admit: admission and the upstream request built; upstream: from
-        forwarding until the answer can go out (streamed: its first token; else the whole
-        body), failovers included."""
+        forwarding until the answer's head can go out (streamed: the replica's head with
+        proxy.early_head, else its first token; not streamed: the whole body), failovers
+        before it included."""
         marks = (("parse", self.parsed - self.arrived),
                  ("route", self.routed - self.parsed - self.held_s), ("hold", self.held_s),
                  ("admit", self.forwarded - self.routed), ("upstream", now - self.forwarded))
@@ -277,7 +278,7 @@ async def _forward(gw: Gateway, request: AnyRequest, route: Route, candidates: l
     def response_headers(replica: Replica) -> dict[str, str]:
         out = {"x-request-id": REQUEST_ID.get()}
         if expose:
-            out["x-cacheroute-replica"] = replica.replica_id
+            out[REPLICA_HEADER] = replica.replica_id
             out["x-cacheroute-predicted-cached-tokens"] = str(route.predicted_for(replica.replica_id))
             if replica.replica_id in route.decision.costs:  # cache_aware's TTFT prediction
                 out["x-cacheroute-predicted-ttft-ms"] = (

@@ -102,6 +102,13 @@ class FrontStreamResponse:
         self._head = _head(self.status, self.headers, request.conn.extra_headers,
                            request.conn.close_after)
 
+    def send_head(self) -> None:
+        """Write the head now rather than with the first chunk (proxy.early_head)."""
+        assert self._conn is not None, "send_head before prepare"
+        if self._head:
+            self._conn.write(self._head)
+            self._head = b""
+
     async def write(self, data: bytes) -> None:
         assert self._conn is not None, "write before prepare"
         if data:
@@ -137,6 +144,14 @@ async def prepare(response: AnyResponse, request: AnyRequest) -> None:
     else:
         assert isinstance(request, web.Request)
         await response.prepare(request)
+
+
+async def send_head(response: AnyResponse, request: AnyRequest) -> None:
+    """Prepare `response` (made by stream_response(request)) and send its head now."""
+    await prepare(response, request)
+    if isinstance(response, FrontStreamResponse):
+        response.send_head()
+    # aiohttp's StreamResponse sends its head in prepare().
 
 
 def send_whole(request: FrontRequest, response: web.StreamResponse) -> None:

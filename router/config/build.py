@@ -419,6 +419,7 @@ def _proxy(s: _Section) -> ProxyConfig:
         backoff_base_s=s.get("backoff_base_s", _nonneg_number, d.backoff_base_s),
         backoff_max_s=s.get("backoff_max_s", _nonneg_number, d.backoff_max_s),
         hold_until_content=s.get("hold_until_content", _bool, d.hold_until_content),
+        early_head=s.get("early_head", _bool, d.early_head),
         route_in_arrival_order=s.get("route_in_arrival_order", _bool,
                                      d.route_in_arrival_order),
         max_body_bytes=s.get("max_body_bytes", _pos_int, d.max_body_bytes),

@@ -173,6 +173,10 @@ class ProxyConfig:
     backoff_base_s: float = 0.01  # full-jitter backoff between attempts, doubling
     backoff_max_s: float = 0.2
     hold_until_content: bool = True
+    # A streamed answer's head goes to the client once the first replica accepted the
+    # stream, not with its first token (router/proxy.py says what it saves and what a
+    # request failed everywhere then gets: an error event, not an error status).
+    early_head: bool = True
     # A burst's routing work (parse, tokenize, hash, decide) in arrival order, not
     # interleaved: the first requests go upstream first (router/arrival_order.py). Off
     # by default: it helped agent bursts on 4 sims and hurt them on 8 (results/README.md).

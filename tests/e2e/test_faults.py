@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -130,6 +131,10 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
     except (aiohttp.ClientError, TimeoutError) as exc:
         tally.lost.append(f"{type(exc).__name__}: {exc}")
         return "lost"
+    # A stream's head goes out naming the replica that accepted it; after a failover, an
+    # SSE comment names the one that answered (router/proxy.py).
+    answered_by = re.findall(r"^: x-cacheroute-replica: (\S+)$", text, re.M)
+    replica = answered_by[-1] if answered_by else replica
     tally.latencies.append(time.perf_counter() - started)
     if replica:
         tally.replicas[replica] += 1

@@ -48,6 +48,7 @@ def test_defaults_with_one_replica() -> None:
     assert config.index.backend == "memory" and config.index.deadline_ms == 10.0
     assert config.tenants.allow_anonymous is False
     assert config.proxy.hold_until_content is True
+    assert config.proxy.early_head is True
     assert config.proxy.route_in_arrival_order is False
     assert config.proxy.expose_routing_headers is False
     (replica,) = config.replicas
@@ -184,6 +185,10 @@ def test_the_readmes_running_it_commands_fit_the_example_file() -> None:
         (
             ["replicas[0].url=http://a:1", "proxy.hold_until_content=maybe"],
             "proxy.hold_until_content: must be true or false, got 'maybe'",
+        ),
+        (
+            ["replicas[0].url=http://a:1", "proxy.early_head=soon"],
+            "proxy.early_head: must be true or false, got 'soon'",
         ),
         (
             ["replicas[0].url=http://a:1", "proxy.route_in_arrival_order=sometimes"],

@@ -36,7 +36,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     for i in range(3):
-        if prompt == "slow" and i == 1:
+        if (prompt == "slow" and i == 1) or (prompt == "held" and i == 0):
             await request.app[RELEASE].wait()
         chunk = {"id": "c", "object": "text_completion",
                  "choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
@@ -166,6 +166,29 @@ async def test_a_streamed_answer_goes_out_chunked_event_by_event(
         while not rest.endswith(b"0\r\n\r\n"):
             rest += await reader.read(4096)
         assert b'"t1"' in rest and b'"t2"' in rest and b"data: [DONE]" in rest
+        writer.close()
+
+
+async def test_a_streams_head_goes_out_before_its_first_token(
+        replica: tuple[str, asyncio.Event]) -> None:
+    """proxy.early_head (the default): the client has its 200 while the replica is still
+    on the prompt; the first token follows as a chunk of its own."""
+    port = free_port()
+    url, release = replica
+    async with running_gateway(build_app(_config(url, port)), "127.0.0.1", port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_post({"model": "m", "prompt": "held", "max_tokens": 3, "stream": True}))
+        head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).decode()
+        assert head.startswith("HTTP/1.1 200") and "Transfer-Encoding: chunked" in head
+        assert not release.is_set()  # the replica has sent no token yet
+        release.set()
+        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+        first = await reader.readexactly(size + 2)
+        assert b'"t0"' in first
+        rest = b""
+        while not rest.endswith(b"0\r\n\r\n"):
+            rest += await reader.read(4096)
+        assert b'"t2"' in rest and b"data: [DONE]" in rest
         writer.close()
 
 

@@ -169,6 +169,15 @@ async def stall_after_role(up: Upstream, request: web.Request) -> web.StreamResp
     return resp
 
 
+async def held_before_first_token(up: Upstream, request: web.Request) -> web.StreamResponse:
+    """vLLM's completions stream: the head at once, nothing until the first token."""
+    resp = await _stream(request)
+    await up.release.wait()
+    await resp.write(sse(content("late")) + b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
 async def reset_after_first_token(up: Upstream, request: web.Request) -> web.StreamResponse:
     resp = await _stream(request, sse(ROLE), sse(content("partial")))
     assert request.transport is not None
@@ -443,6 +452,19 @@ async def test_stall_before_first_token_is_retried_and_counts_as_failure(
     assert stalled is not None and stalled.consecutive_failures == 1
     # The gateway hung up on the stalled replica rather than leaving it generating.
     await asyncio.wait_for(h.upstreams[0].cancelled.wait(), 5)
+
+
+async def test_a_streams_head_goes_out_before_its_first_token(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    h = await make_harness(held_before_first_token, first_token_timeout_s=10.0)
+    async with asyncio.timeout(5):
+        async with h.session.post(h.url, json={"stream": True}) as resp:
+            # The client has its 200 while the replica is still on the prompt.
+            assert resp.status == 200 and not h.upstreams[0].release.is_set()
+            h.upstreams[0].release.set()
+            text = await resp.text()
+    assert events(text) == [content("late"), "[DONE]"]
+    assert h.outcomes[0].completed is True
 
 
 async def test_reset_after_first_byte_ends_with_sse_error_and_done(
@@ -726,11 +748,22 @@ async def test_5xx_from_a_replica_that_then_fails_health_is_not_carried_and_is_r
     assert status == 200 and h.upstreams[0].hits == 2, text
 
 
+@pytest.mark.parametrize("early_head", [False, True])
 async def test_an_engine_death_in_a_stream_before_content_counts_as_a_5xx(
-        make_harness: Callable[..., Awaitable[Harness]]) -> None:
-    h = await make_harness(engine_dies_in_stream, ok_stream)
+        make_harness: Callable[..., Awaitable[Harness]], early_head: bool) -> None:
+    h = await make_harness(engine_dies_in_stream, ok_stream, early_head=early_head)
     status, _, text = await post(h, {"stream": True, "prompt": "poison"})
-    assert status == 502 and "failed its health check" in json.loads(text)["error"]["message"]
+    if early_head:
+        # The head went out when the replica accepted the stream: the failure is the
+        # stream's one event (nothing of the dead replica's answer leaked), as vLLM ends
+        # a stream that fails, its status as the code.
+        assert status == 200
+        got = events(text)
+        assert len(got) == 2 and got[1] == "[DONE]", got
+        assert got[0]["error"]["code"] == 502
+        assert "failed its health check" in got[0]["error"]["message"]
+    else:
+        assert status == 502 and "failed its health check" in json.loads(text)["error"]["message"]
     assert h.upstreams[1].hits == 0
     assert h.outcomes[0].failures[0][1] == "status_5xx"
     status, _, _ = await post(h, {"stream": True, "prompt": "poison"})
