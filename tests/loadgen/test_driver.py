@@ -124,3 +124,34 @@ async def test_chat_text_resends_the_servers_answer_text(tiny_model_dir) -> None
     assert second.cached_tokens is not None
     assert second.cached_tokens >= first.prompt_tokens // 16 * 16
     assert second.prompt_tokens > first.prompt_tokens + 10
+
+
+async def test_a_failover_after_the_head_is_recorded_on_the_replica_that_answered() -> None:
+    """The gateway's head names the replica that accepted the stream first; after a
+    failover an SSE comment names the one that answered (router/proxy.py)."""
+    import json
+
+    from aiohttp import web
+    from servers import serving
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "x-cacheroute-replica": "up0"})
+        await resp.prepare(request)
+        chunk = {"choices": [{"index": 0, "text": "a", "token_ids": [7],
+                              "finish_reason": "length"}],
+                 "usage": {"prompt_tokens": 40, "completion_tokens": 1}}
+        await resp.write(b": x-cacheroute-replica: up1\n\ndata: " + json.dumps(chunk).encode()
+                         + b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    async with serving(app) as url:
+        result = await Driver(DriverConfig(base_url=url, model="m", concurrency=1,
+                                           max_requests=1)).run(
+            RandomWorkload(requests=1, input_tokens=40, output_tokens=1))
+    [rec] = result.records
+    assert rec.ok and rec.output_token_ids == [7]
+    assert rec.replica == "up1"
