@@ -174,9 +174,10 @@ class ProxyConfig:
     backoff_max_s: float = 0.2
     hold_until_content: bool = True
     # A streamed answer's head goes to the client once the first replica accepted the
-    # stream, not with its first token (router/proxy.py says what it saves and what a
-    # request failed everywhere then gets: an error event, not an error status).
-    early_head: bool = True
+    # stream, not with its first token: for clients or proxies in front that time out a
+    # response with no head during a long prefill. Off by default: a request failed
+    # everywhere then gets an error event, not an error status (router/proxy.py).
+    early_head: bool = False
     # A burst's routing work (parse, tokenize, hash, decide) in arrival order, not
     # interleaved: the first requests go upstream first (router/arrival_order.py). Off
     # by default: it helped agent bursts on 4 sims and hurt them on 8 (results/README.md).

@@ -48,7 +48,7 @@ def test_defaults_with_one_replica() -> None:
     assert config.index.backend == "memory" and config.index.deadline_ms == 10.0
     assert config.tenants.allow_anonymous is False
     assert config.proxy.hold_until_content is True
-    assert config.proxy.early_head is True
+    assert config.proxy.early_head is False
     assert config.proxy.route_in_arrival_order is False
     assert config.proxy.expose_routing_headers is False
     (replica,) = config.replicas

@@ -171,11 +171,12 @@ async def test_a_streamed_answer_goes_out_chunked_event_by_event(
 
 async def test_a_streams_head_goes_out_before_its_first_token(
         replica: tuple[str, asyncio.Event]) -> None:
-    """proxy.early_head (the default): the client has its 200 while the replica is still
-    on the prompt; the first token follows as a chunk of its own."""
+    """proxy.early_head: the client has its 200 while the replica is still on the
+    prompt; the first token follows as a chunk of its own."""
     port = free_port()
     url, release = replica
-    async with running_gateway(build_app(_config(url, port)), "127.0.0.1", port):
+    async with running_gateway(build_app(_config(url, port, early_head=True)), "127.0.0.1",
+                               port):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(_post({"model": "m", "prompt": "held", "max_tokens": 3, "stream": True}))
         head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).decode()

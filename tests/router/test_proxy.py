@@ -279,7 +279,7 @@ async def make_harness() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
             ranked = [fleet.get(u.split("//")[1]) for u in urls]
             resp, outcome = await forwarder.forward(
                 request, up, [r for r in ranked if r is not None],
-                lambda r: {"x-replica": r.replica_id})
+                lambda r: {"x-cacheroute-replica": r.replica_id})
             outcomes.append(outcome)
             return resp
 
@@ -322,7 +322,7 @@ async def test_stream_passes_through_and_strips_usage_the_client_did_not_ask_for
     h = await make_harness(ok_stream)
     status, headers, text = await post(h, {"stream": True})
     assert status == 200
-    assert headers["x-replica"] == h.upstreams[0].url.split("//")[1]
+    assert headers["x-cacheroute-replica"] == h.upstreams[0].url.split("//")[1]
     got = events(text)
     assert got == [ROLE, content("hello from up0"), content("!"), "[DONE]"]
     outcome = h.outcomes[0]
@@ -456,7 +456,7 @@ async def test_stall_before_first_token_is_retried_and_counts_as_failure(
 
 async def test_a_streams_head_goes_out_before_its_first_token(
         make_harness: Callable[..., Awaitable[Harness]]) -> None:
-    h = await make_harness(held_before_first_token, first_token_timeout_s=10.0)
+    h = await make_harness(held_before_first_token, first_token_timeout_s=10.0, early_head=True)
     async with asyncio.timeout(5):
         async with h.session.post(h.url, json={"stream": True}) as resp:
             # The client has its 200 while the replica is still on the prompt.
@@ -465,6 +465,19 @@ async def test_a_streams_head_goes_out_before_its_first_token(
             text = await resp.text()
     assert events(text) == [content("late"), "[DONE]"]
     assert h.outcomes[0].completed is True
+
+
+async def test_a_failover_after_an_early_head_names_the_replica_answering(
+        make_harness: Callable[..., Awaitable[Harness]]) -> None:
+    h = await make_harness(stall_after_role, ok_stream, first_token_timeout_s=0.3,
+                           early_head=True)
+    status, headers, text = await post(h, {"stream": True})
+    up0, up1 = (u.url.split("//")[1] for u in h.upstreams)
+    assert status == 200 and headers["x-cacheroute-replica"] == up0  # the head's, gone out
+    assert text.startswith(f": x-cacheroute-replica: {up1}\n\n"), text[:120]
+    got = events(text)
+    assert got[0] == ROLE and got[1] == content("hello from up1")  # nothing from up0 leaked
+    assert h.outcomes[0].failures == [(up0, "first_token_timeout")]
 
 
 async def test_reset_after_first_byte_ends_with_sse_error_and_done(
