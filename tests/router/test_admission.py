@@ -10,20 +10,12 @@ import pytest
 from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
+from loop_steps import until
 from servers import free_port
 
 from router.admission import Admission, Overloaded, Slot
 from router.app import GATEWAY, build_app, running_gateway
 from router.config import LimitsConfig, build_config
-
-
-async def until(condition: Callable[[], bool], rounds: int = 1000) -> None:
-    """Yield to the loop until condition holds (no wall-clock waiting)."""
-    for _ in range(rounds):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition not reached")
 
 
 def queued_is(a: Admission, n: int) -> Callable[[], bool]:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+
+from loop_steps import until
 
 from router.config import LimitsConfig, TenantsConfig
 from router.hashing import HashConfig, chain_hashes, event_key
@@ -32,15 +33,6 @@ class Fleet:
 
     def room(self, now: float) -> float:
         return self.room_s
-
-
-async def _until(condition: Callable[[], bool], rounds: int = 1000) -> None:
-    """Yield to the loop until `condition()` holds (no wall-clock waiting)."""
-    for _ in range(rounds):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition not reached")
 
 
 async def test_nothing_is_held_while_some_replica_has_room() -> None:
@@ -76,11 +68,11 @@ async def test_held_requests_go_by_deadline_one_at_a_time() -> None:
     tasks = [asyncio.create_task(request(name, hold.turn("m", now + slack, fleet.room,
                                                          fleet.room(now))))
              for name, slack in (("long", 300.0), ("mid", 200.0), ("short", 100.0))]
-    await _until(lambda: hold.holding() == 3)
+    await until(lambda: hold.holding() == 3)
     assert order == []
     fleet.room_s = 0.0
     hold.changed()
-    await _until(lambda: order == ["short"])
+    await until(lambda: order == ["short"])
     # Room stays, and a replica's work changes, but the next waits until the one let go
     # is counted on its replica.
     hold.changed()
@@ -88,9 +80,9 @@ async def test_held_requests_go_by_deadline_one_at_a_time() -> None:
         await asyncio.sleep(0)
     assert order == ["short"] and hold.holding() == 2
     counted["short"].set()
-    await _until(lambda: order == ["short", "mid"])
+    await until(lambda: order == ["short", "mid"])
     counted["mid"].set()
-    await _until(lambda: order == ["short", "mid", "long"])
+    await until(lambda: order == ["short", "mid", "long"])
     counted["long"].set()
     await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
     assert hold.holding() == 0 and hold.held_total == 3
@@ -106,11 +98,11 @@ async def test_a_request_goes_at_its_deadline_when_no_replica_makes_room() -> No
     await asyncio.wait_for(soon.wait(), 5.0)
     assert soon.held and time.monotonic() - start >= 0.05
     soon.done()
-    await _until(lambda: hold.holding() == 1)
+    await until(lambda: hold.holding() == 1)
     assert not waiting_later.done()
     waiting_later.cancel()
     await asyncio.gather(waiting_later, return_exceptions=True)
-    await _until(lambda: hold.holding() == 0)
+    await until(lambda: hold.holding() == 0)
 
 
 async def test_a_cancelled_request_hands_its_turn_on() -> None:
@@ -120,7 +112,7 @@ async def test_a_cancelled_request_hands_its_turn_on() -> None:
     # Cancelled while held: it leaves the queue.
     gone = hold.turn("m", now + 1.0, fleet.room, FAR)
     gone_task = asyncio.create_task(gone.wait())
-    await _until(lambda: hold.holding() == 1)
+    await until(lambda: hold.holding() == 1)
     gone_task.cancel()
     await asyncio.gather(gone_task, return_exceptions=True)
     gone.done()
@@ -130,7 +122,7 @@ async def test_a_cancelled_request_hands_its_turn_on() -> None:
     second = hold.turn("m", now + 20.0, fleet.room, FAR)
     first_task = asyncio.create_task(first.wait())
     second_task = asyncio.create_task(second.wait())
-    await _until(lambda: hold.holding() == 2)
+    await until(lambda: hold.holding() == 2)
     fleet.room_s = 0.0
     hold._look()  # lets `first` go now, before its task runs again
     first_task.cancel()
@@ -172,9 +164,9 @@ async def test_a_short_prompt_is_decided_before_a_long_one_while_the_replica_is_
     # Deadlines: the long one (4k tokens, ~4 s of prefill) ~2 s out, the short one
     # (512 tokens) ~0.26 s: long enough for the test to make room first.
     long_task = asyncio.create_task(send("long", 4096))
-    await _until(lambda: hold.holding() == 1)
+    await until(lambda: hold.holding() == 1)
     short_task = asyncio.create_task(send("short", 512))
-    await _until(lambda: hold.holding() == 2)
+    await until(lambda: hold.holding() == 2)
     assert decided == []
     replica.work.first_byte(busy, time.monotonic())  # the queue ahead is done
     replica.work.end(busy, time.monotonic())
@@ -211,7 +203,7 @@ async def test_a_held_request_is_decided_on_the_index_as_it_is_when_let_go() -> 
                            tenant=REGISTRY.identify(None), registry=REGISTRY)
     task = asyncio.create_task(pipeline.route(parsed, fleet, time.monotonic(), None, None,
                                               offload=False, reserve=True))
-    await _until(lambda: hold.holding() == 1)
+    await until(lambda: hold.holding() == 1)
     await index.add("m", "r1", [event_key(d) for d in chain_hashes(BLOCK, prompt)])
     route = await asyncio.wait_for(task, 5.0)
     assert route.held_s > 0
