@@ -236,9 +236,8 @@ class Forwarder:
         its head is out already, the stream's last event (the status as its `code`)."""
         if answer.response is None:
             return json_error(status, message, err_type)
-        err = error_payload(message, err_type, code=status)
         with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
-            await answer.response.write(b"data: " + json.dumps(err).encode() + b"\n\n" + DONE)
+            await answer.response.write(_error_event(message, err_type, status))
             await answer.response.write_eof()
         return answer.response
 
@@ -454,9 +453,8 @@ class Forwarder:
         if self._fleet.report_failure(replica, reason):
             self._metrics.record_ejection(replica.replica_id)
         log.warning("upstream %s failed mid-stream: %s", replica.replica_id, detail)
-        err = error_payload(f"upstream replica failed mid-stream ({reason})",
-                            "upstream_error", code=502)
-        yield b"data: " + json.dumps(err).encode() + b"\n\n" + DONE
+        yield _error_event(f"upstream replica failed mid-stream ({reason})", "upstream_error",
+                           502)
 
 
 class IdleWatch:
@@ -511,6 +509,12 @@ class IdleWatch:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+
+def _error_event(message: str, err_type: str, code: int) -> bytes:
+    """A stream's last events after a failure: the error, as vLLM sends it, and [DONE]."""
+    err = error_payload(message, err_type, code=code)
+    return b"data: " + json.dumps(err).encode() + b"\n\n" + DONE
 
 
 def _no_headers(replica: Replica) -> dict[str, str]:
