@@ -30,7 +30,11 @@ replica costs next to nothing and what the routers add is what shows.
    the p50 of each target minus direct's p50; printed as the median over rounds and the
    spread (min..max). "proxy+HTTP" is cacheroute's added p50 minus its in-process stages:
    the HTTP server and client, the event loop, the upstream connection.
-3. Routed requests/s with 64 concurrent clients and 256-token prompts (--seconds 0 skips).
+3. Routed requests/s with 64 concurrent clients and 256-token prompts (--seconds 0 skips),
+   with the CPU each router's processes spent per request and its inverse, requests per
+   busy core. On 2 shared cores the rate is bounded by the client and the sims as much as
+   by the router (vllm-router used a third of a core at its best rate here); the
+   per-core figure is what a gateway with one worker per core on its own cores scales by.
 4. CPU per routed request: the user + system time each router's processes use over
    --cpu-requests streamed conversation turns, 8 at a time (the shape of the agent
    workload's bursts); the routers take turns each round. On a machine whose cores the
@@ -509,10 +513,10 @@ def print_added(results: dict[str, dict[str, list[float]]], direct: str,
                   f"{med * 1000:>+9.2f} | {min(added) * 1000:>+7.2f}..{max(added) * 1000:<+7.2f}")
         if "cacheroute" in by_target and scenario in profiles:
             inproc = sum(profiles[scenario][0].values())
-            added = statistics.median(p - b for p, b in zip(by_target["cacheroute"], base,
-                                                             strict=True))
+            ours = statistics.median(p - b for p, b in zip(by_target["cacheroute"], base,
+                                                            strict=True))
             print(f"{'':<26} | {'cacheroute proxy+HTTP':<24} | {'':>8} | "
-                  f"{(added - inproc) * 1000:>+9.2f} | (added - in-process stages)")
+                  f"{(ours - inproc) * 1000:>+9.2f} | (added - in-process stages)")
         stages = in_situ.get(scenario, {})
         if stages:
             # The same functions as the in-process profile, timed inside the serving
@@ -527,7 +531,8 @@ def print_added(results: dict[str, dict[str, list[float]]], direct: str,
 # ------------------------------------------------------------------- 3. throughput
 
 
-async def throughput(url: str, seconds: float, concurrency: int) -> float:
+async def throughput(url: str, seconds: float, concurrency: int) -> tuple[int, float]:
+    """(requests answered, seconds taken) by `concurrency` clients sending for `seconds`."""
     rng = random.Random(3)
     done = 0
     stop_at = time.perf_counter() + seconds
@@ -545,7 +550,35 @@ async def throughput(url: str, seconds: float, concurrency: int) -> float:
         await one_request(session, url, "/v1/completions", body())
         started = time.perf_counter()
         await asyncio.gather(*(client(session) for _ in range(concurrency)))
-        return done / (time.perf_counter() - started)
+        return done + 1, time.perf_counter() - started
+
+
+def saturation(routers: list[Router], targets: list[tuple[str, str]], rounds: int,
+               seconds: float, concurrency: int,
+               ) -> dict[str, tuple[list[float], list[float]]]:
+    """Target name -> (req/s per round, CPU seconds per request of its processes per
+    round; none for the direct target). Targets take turns, starting one further along
+    each round: the 2-core machine's speed drifts by more than the gaps measured."""
+    procs = {r.name: r for r in routers}
+    out: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name, _ in targets}
+    for round_ in range(rounds):
+        shift = round_ % len(targets)
+        for name, url in targets[shift:] + targets[:shift]:
+            r = procs.get(name)
+            pids = [] if r is None or r.proc is None else \
+                [r.proc.pid, *children(r.proc.pid), *(h.pid for h in r.helpers)]
+            before = sum(cpu_seconds(pid) for pid in pids)
+            answered, elapsed = asyncio.run(throughput(url, seconds, concurrency))
+            out[name][0].append((answered - 1) / elapsed)
+            if pids:  # the CPU of every request answered, the first (unhurried) one too
+                used = sum(cpu_seconds(pid) for pid in pids) - before
+                out[name][1].append(used / answered)
+    return out
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    return (f"{format(statistics.median(values), fmt)} "
+            f"[{format(min(values), fmt)}..{format(max(values), fmt)}]")
 
 
 # ------------------------------------------------------- 4. CPU per routed request
@@ -693,10 +726,19 @@ def main(argv: list[str] | None = None) -> int:
             print_added(results, direct[0], profiles, in_situ)
             if args.seconds > 0:
                 print(f"\n3) routed requests/s ({args.concurrency} concurrent clients, 256-token "
-                      f"prompts, max_tokens 1, {args.seconds:.0f} s each)")
-                for name, url in targets:
-                    rps = asyncio.run(throughput(url, args.seconds, args.concurrency))
-                    print(f"   {name:<24} {rps:8.0f} req/s")
+                      f"prompts, max_tokens 1, {args.seconds:.0f} s each, the targets taking "
+                      f"turns over {max(1, args.rounds)} rounds): the rate here is what 2 shared "
+                      f"cores allow the client, the sims and the router together; CPU per "
+                      f"request (the router's processes) and requests per busy core of the "
+                      f"router are what one worker per core scales by; median [min..max]")
+                rates = saturation(routers, targets, max(1, args.rounds), args.seconds,
+                                   args.concurrency)
+                for name, (per_round, cpu_each) in rates.items():
+                    line = f"   {name:<24} {_spread(per_round, '.0f')} req/s"
+                    if cpu_each:
+                        line += (f"   CPU {_spread([c * 1000 for c in cpu_each], '.3f')} ms/req"
+                                 f"   {_spread([1 / c for c in cpu_each], '.0f')} req/s per core")
+                    print(line)
             if args.cpu_requests > 0:
                 sent = max(1, args.cpu_requests // 8) * 8
                 cpu = cpu_per_request(routers, args.rounds, args.cpu_requests, 8, 4096, extra)
