@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import random
@@ -31,6 +30,7 @@ from prometheus_client.core import Metric
 from router.admin import build_admin_app
 from router.admission import Admission
 from router.arrival_order import ArrivalOrder
+from router.collector import serving_collector
 from router.completions import complete, handle_completion
 from router.config import GatewayConfig
 from router.endpoints import handle_by_model, handle_conversation, handle_version
@@ -374,32 +374,13 @@ async def _indexer_ctx(app: web.Application) -> AsyncIterator[None]:
     await indexer.stop()
 
 
-# The young generation's collection threshold while serving: net new container objects
-# between collections (Python's default is 700). Requests in flight hold a few hundred
-# each, so at 700 the count crossed the threshold ~45 times a second at 64 clients, and
-# every tenth collection promoted survivors, so that every few seconds a full collection
-# walked the index and chain caches built since start-up: 4 of them in 15 s, 19-31 ms
-# each, on whatever requests were in flight (benchmarks/bench_gateway.py's 256-token
-# prompts, 64 clients, 2 sims, 2026-12-07, two runs). At 10,000 the same load made 7-8
-# young collections (4 ms at the median, 10 ms the longest) and no full one; the gateway's
-# time in the collector fell from ~530 to ~25 ms and its CPU per request by 2-10%. Refcounting
-# frees everything that is not a cycle either way.
-YOUNG_COLLECTION_THRESHOLD = 10_000
-
-
 async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
     """Registered last, so it opens last and closes first: finish recording before the
-    index closes; keep what start-up built out of the garbage collector while serving."""
-    # Start-up leaves ~400k long-lived objects (modules, tokenizers, chat templates); a
-    # full collection walking them all pauses the loop ~200 ms, which some request pays
-    # every few hundred requests. Frozen, they are never walked; unfrozen at shutdown.
-    gc.freeze()
-    thresholds = gc.get_threshold()
-    gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *thresholds[1:])
-    yield
-    gc.set_threshold(*thresholds)
-    gc.unfreeze()
+    index closes; keep what start-up built out of the garbage collector while serving
+    (router/collector.py)."""
     gw = app[GATEWAY]
+    with serving_collector(gw.config.listen.gc_young_threshold, gw.metrics.record_gc_pause):
+        yield
     if gw.background:
         await asyncio.wait(list(gw.background), timeout=INDEX_OP_TIMEOUT_S * 2)
         for task in gw.background:

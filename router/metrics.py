@@ -31,6 +31,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _DECISION_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
 _INDEX_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_GC_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 class _CallbackCollector(Collector):
@@ -234,6 +235,11 @@ class GatewayMetrics:
             "cacheroute_time_to_first_byte_seconds",
             "Time from request arrival to the first byte sent to the client.",
             buckets=_LATENCY_BUCKETS, registry=r)
+        self.gc_pauses = Histogram(
+            "cacheroute_gc_pause_seconds",
+            "Garbage collections while serving, by generation (2: full), and how long each "
+            "held the process: every request in flight waits that long.",
+            ["generation"], buckets=_GC_BUCKETS, registry=r)
 
     # -- helpers: the only way the gateway writes metrics -----------------------------
 
@@ -339,6 +345,9 @@ class GatewayMetrics:
     def record_client_disconnect(self) -> None:
         """The client went away mid-request."""
         self.client_disconnects.inc()
+
+    def record_gc_pause(self, generation: int, seconds: float) -> None:
+        self._child(self.gc_pauses, str(generation)).observe(seconds)
 
     def record_first_byte(self, seconds: float) -> None:
         """Gateway-side time to first byte."""

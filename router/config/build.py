@@ -67,6 +67,8 @@ def _listen(s: _Section) -> ListenConfig:
                        request_read_timeout_s=s.get("request_read_timeout_s", _pos_number,
                                                     d.request_read_timeout_s),
                        fast_front=s.get("fast_front", _bool, d.fast_front),
+                       gc_young_threshold=s.get("gc_young_threshold", _pos_int,
+                                                d.gc_young_threshold),
                        admin_port=admin_port,
                        admin_host=s.get("admin_host", _optional(_str), None))
     s.finish()

@@ -50,6 +50,10 @@ class ListenConfig:
     # The completion endpoints' plain HTTP/1.1 requests are read by the gateway's own
     # protocol, not aiohttp's server (router/front_http.py says why and what it takes).
     fast_front: bool = True
+    # The garbage collector's young-generation threshold while serving, in net new
+    # container objects between collections (Python's default is 700; router/app.py says
+    # what each measured).
+    gc_young_threshold: int = 10_000
     # When set, /ready and /metrics move off the API port to this one (router/admin.py),
     # bound on admin_host (default: host); see docs/SECURITY.md.
     admin_port: int | None = None
