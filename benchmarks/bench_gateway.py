@@ -35,6 +35,9 @@ replica costs next to nothing and what the routers add is what shows.
    busy core. On 2 shared cores the rate is bounded by the client and the sims as much as
    by the router (vllm-router used a third of a core at its best rate here); the
    per-core figure is what a gateway with one worker per core on its own cores scales by.
+   For our gateways, the garbage collections over the section's requests too (from
+   cacheroute_gc_pause_seconds; `--gateway-set listen.gc_young_threshold=700` puts
+   Python's default beside ours).
 4. CPU per routed request: the user + system time each router's processes use over
    --cpu-requests streamed conversation turns, 8 at a time (the shape of the agent
    workload's bursts); the routers take turns each round. On a machine whose cores the
@@ -553,26 +556,62 @@ async def throughput(url: str, seconds: float, concurrency: int) -> tuple[int, f
         return done + 1, time.perf_counter() - started
 
 
+@dataclass
+class Saturation:
+    """One target's figures over the rounds of section 3."""
+
+    rates: list[float] = field(default_factory=list)  # req/s, one per round
+    cpu: list[float] = field(default_factory=list)  # CPU seconds per request, one per round
+    # Our gateway's garbage collections over all rounds, by generation: (count, seconds),
+    # from its cacheroute_gc_pause_seconds (none for a router without that metric).
+    gc: dict[str, tuple[float, float]] = field(default_factory=dict)
+    requests: int = 0
+
+
+_GC_LINE = re.compile(r'^cacheroute_gc_pause_seconds_(count|sum)\{generation="(\d)"\} (\S+)$')
+
+
+def gc_pauses(url: str) -> dict[str, tuple[float, float]]:
+    """Generation -> (collections, seconds) from a gateway's /metrics; {} without it."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except (urllib.error.URLError, OSError):
+        return {}
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        m = _GC_LINE.match(line)
+        if m:
+            out.setdefault(m.group(2), [0.0, 0.0])[m.group(1) == "sum"] = float(m.group(3))
+    return {gen: (v[0], v[1]) for gen, v in out.items()}
+
+
 def saturation(routers: list[Router], targets: list[tuple[str, str]], rounds: int,
-               seconds: float, concurrency: int,
-               ) -> dict[str, tuple[list[float], list[float]]]:
-    """Target name -> (req/s per round, CPU seconds per request of its processes per
-    round; none for the direct target). Targets take turns, starting one further along
-    each round: the 2-core machine's speed drifts by more than the gaps measured."""
+               seconds: float, concurrency: int) -> dict[str, Saturation]:
+    """Target name -> its rates, CPU per request and (ours) collections. Targets take
+    turns, starting one further along each round: the 2-core machine's speed drifts by
+    more than the gaps measured."""
     procs = {r.name: r for r in routers}
-    out: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name, _ in targets}
+    out = {name: Saturation() for name, _ in targets}
     for round_ in range(rounds):
         shift = round_ % len(targets)
         for name, url in targets[shift:] + targets[:shift]:
             r = procs.get(name)
             pids = [] if r is None or r.proc is None else \
                 [r.proc.pid, *children(r.proc.pid), *(h.pid for h in r.helpers)]
+            gc_before = gc_pauses(url) if r is not None else {}
             before = sum(cpu_seconds(pid) for pid in pids)
             answered, elapsed = asyncio.run(throughput(url, seconds, concurrency))
-            out[name][0].append((answered - 1) / elapsed)
+            used = sum(cpu_seconds(pid) for pid in pids) - before
+            got = out[name]
+            got.rates.append((answered - 1) / elapsed)
+            got.requests += answered
             if pids:  # the CPU of every request answered, the first (unhurried) one too
-                used = sum(cpu_seconds(pid) for pid in pids) - before
-                out[name][1].append(used / answered)
+                got.cpu.append(used / answered)
+            for gen, (count, secs) in (gc_pauses(url) if gc_before else {}).items():
+                c0, s0 = gc_before.get(gen, (0.0, 0.0))
+                c1, s1 = got.gc.get(gen, (0.0, 0.0))
+                got.gc[gen] = (c1 + count - c0, s1 + secs - s0)
     return out
 
 
@@ -733,12 +772,17 @@ def main(argv: list[str] | None = None) -> int:
                       f"router are what one worker per core scales by; median [min..max]")
                 rates = saturation(routers, targets, max(1, args.rounds), args.seconds,
                                    args.concurrency)
-                for name, (per_round, cpu_each) in rates.items():
-                    line = f"   {name:<24} {_spread(per_round, '.0f')} req/s"
-                    if cpu_each:
-                        line += (f"   CPU {_spread([c * 1000 for c in cpu_each], '.3f')} ms/req"
-                                 f"   {_spread([1 / c for c in cpu_each], '.0f')} req/s per core")
+                for name, sat in rates.items():
+                    line = f"   {name:<24} {_spread(sat.rates, '.0f')} req/s"
+                    if sat.cpu:
+                        line += (f"   CPU {_spread([c * 1000 for c in sat.cpu], '.3f')} ms/req"
+                                 f"   {_spread([1 / c for c in sat.cpu], '.0f')} req/s per core")
                     print(line)
+                    if sat.gc:
+                        print(f"   {'':<24} garbage collector over its {sat.requests} requests "
+                              "(generation: collections, ms in all): " + ", ".join(
+                                  f"{gen}: {count:.0f}, {secs * 1000:.0f}"
+                                  for gen, (count, secs) in sorted(sat.gc.items())))
             if args.cpu_requests > 0:
                 sent = max(1, args.cpu_requests // 8) * 8
                 cpu = cpu_per_request(routers, args.rounds, args.cpu_requests, 8, 4096, extra)
