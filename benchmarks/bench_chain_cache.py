@@ -7,14 +7,17 @@ remembered block, this checkout against another side by side.
 Each round runs every checkout in a fresh subprocess (the checkouts take turns at going
 first): `--prompts` new prompts of `--blocks` blocks of 16 tokens (a cold prompt's keys,
 all computed), then a conversation growing 16 blocks a turn from there (the next turn's,
-mostly remembered); the CPU time of each call, median; and tracemalloc's count of what
-the cache holds after the new prompts, per remembered block. Medians over rounds, with
-their spread.
+mostly remembered); the CPU time of each call, median; tracemalloc's count of what
+the cache holds after the new prompts, per remembered block; and what a full garbage
+collection takes with the filled cache (the start-up heap frozen, as a serving gateway
+has it: router/collector.py), less the same collection without it. Medians over rounds,
+with their spread.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -32,6 +35,7 @@ def measure(repo: Path, blocks: int, prompts: int) -> dict[str, float]:
     from router.hashing import HashConfig
     from router.routing import ChainCache
 
+    gc.freeze()  # what start-up built, as a serving gateway freezes it
     config = HashConfig(block_size=16)
     rng = random.Random(1)
     new = [[rng.randrange(30_000) for _ in range(16 * blocks)] for _ in range(prompts)]
@@ -59,8 +63,24 @@ def measure(repo: Path, blocks: int, prompts: int) -> dict[str, float]:
         started = time.thread_time()
         cache.event_keys(config, history, "salt")
         turns.append(time.thread_time() - started)
+    del new
+    with_cache = _full_collection_s()
+    del cache, history
+    without = _full_collection_s()
     return {"cold_ms": statistics.median(cold) * 1e3, "turn_ms": statistics.median(turns) * 1e3,
-            "bytes_per_block": held / remembered}
+            "bytes_per_block": held / remembered,
+            "gc_ms": max(0.0, with_cache - without) * 1e3}
+
+
+def _full_collection_s() -> float:
+    """The median of 5 full collections' time, after one that frees what was let go."""
+    gc.collect()
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        gc.collect()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,10 +117,11 @@ def main(argv: list[str] | None = None) -> int:
           f"a conversation growing 16 blocks a turn; CPU ms per call (median), memory per "
           f"remembered block; median over {args.rounds} rounds [min..max]")
     for figure, label in (("cold_ms", "new prompt, ms"), ("turn_ms", "next turn, ms"),
-                          ("bytes_per_block", "bytes / block")):
+                          ("bytes_per_block", "bytes / block"),
+                          ("gc_ms", "full GC, +ms")):
         cells = []
         for name, runs in out.items():
-            values = [r[figure] for r in runs]
+            values = [r.get(figure, float("nan")) for r in runs]
             cells.append(f"{name} {statistics.median(values):.3f} "
                          f"[{min(values):.3f}..{max(values):.3f}]")
         print(f"  {label:<15} " + "   ".join(cells))

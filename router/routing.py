@@ -16,6 +16,7 @@ own group's chain.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import struct
 import threading
 import time
@@ -73,14 +74,34 @@ class KnownTokens:
 
 @dataclass
 class _Chain:
-    """One remembered chain: its vLLM block keys, their event forms, and the
-    fingerprints through which the memo leads to it (at its first PRINT_STRIDE blocks,
-    every PRINT_STRIDE-th after, and the lengths it was asked for). Plain bytes and
-    ints: no per-block object for the garbage collector to walk."""
+    """One remembered chain: its vLLM block keys (`width` bytes each, end to end), their
+    event forms, and the fingerprints through which the memo leads to it (at its first
+    PRINT_STRIDE blocks, every PRINT_STRIDE-th after, and the lengths it was asked for).
 
-    digests: list[bytes]
-    event_keys: list[int]
-    prints: list[bytes] = field(default_factory=list)
+    None of it a list, because the garbage collector walks every element of a list:
+    with the keys and digests as lists of bytes and ints, a full collection of a serving
+    gateway visited each of them (17-44 ms with a couple of thousand chains remembered;
+    router/collector.py), more as the cache fills. The digests and fingerprints are
+    flat bytearrays, which hold no objects; the event keys a tuple of ints, which the
+    collector stops tracking the first time it sees one (a tuple of untracked objects),
+    and which a request's keys are sliced from without making an int anew."""
+
+    serial: int
+    width: int
+    digests: bytearray
+    event_keys: tuple[int, ...]
+    prints: bytearray = field(default_factory=bytearray)
+
+    def __len__(self) -> int:
+        return len(self.event_keys)
+
+    def digest(self, i: int) -> bytes:
+        """Block i's key."""
+        return bytes(self.digests[i * self.width:(i + 1) * self.width])
+
+
+# A fingerprint's size (xxh3-128): a chain's prints are kept end to end in this many bytes.
+_PRINT_BYTES = 16
 
 
 def _event_keys(digests: list[bytes]) -> list[int]:
@@ -142,8 +163,11 @@ class ChainCache:
 
     def __init__(self, capacity_blocks: int = 500_000) -> None:
         self.capacity_blocks = capacity_blocks
-        self._memo: dict[bytes, _Chain] = {}  # prefix fingerprint -> the chain holding it
-        self._chains: OrderedDict[int, _Chain] = OrderedDict()  # id -> chain, oldest first
+        # prefix fingerprint -> the serial of the chain holding it. Serials, not the
+        # chains: a dict of bytes and ints only is one the garbage collector never walks.
+        self._memo: dict[bytes, int] = {}
+        self._chains: OrderedDict[int, _Chain] = OrderedDict()  # serial -> chain, oldest first
+        self._serials = itertools.count()
         self._lock = threading.Lock()
         self.blocks = 0  # keys held by the chains (a branch counts its shared prefix too)
         self.hashed_blocks = 0
@@ -177,28 +201,28 @@ class ChainCache:
         found: _Chain | None = None
         reused = 0
         with self._lock:
-            whole = self._memo.get(fingerprint(n))
+            whole = self._chain_at(fingerprint(n))
             if whole is not None:
-                self._chains.move_to_end(id(whole))
+                self._chains.move_to_end(whole.serial)
                 self.reused_blocks += n
-                return whole.event_keys[:n]
+                return list(whole.event_keys[:n])
             lo, hi = 0, _prints_upto(n)  # the longest remembered of those lengths
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                owner = self._memo.get(fingerprint(_print_at(mid)))
+                owner = self._chain_at(fingerprint(_print_at(mid)))
                 if owner is None:
                     hi = mid - 1
                 else:
                     found, lo = owner, mid
             reused = _print_at(lo) if lo else 0
-            if found is not None and reused < len(found.digests) < n:
-                end = len(found.digests)  # the turn before, for a conversation that grew
-                owner = self._memo.get(fingerprint(end))
+            if found is not None and reused < len(found) < n:
+                end = len(found)  # the turn before, for a conversation that grew
+                owner = self._chain_at(fingerprint(end))
                 if owner is not None:
                     found, reused = owner, end
             # The request may follow the found chain past `reused` for up to a stride
             # (known once keyed): the probe counts from there.
-            slack = 0 if found is None else min(PRINT_STRIDE - 1, len(found.digests) - reused)
+            slack = 0 if found is None else min(PRINT_STRIDE - 1, len(found) - reused)
             if probe is not None and n - reused > 2 * probe + slack:
                 n = reused + slack + probe
         # Python ints already (msgspec checked a request's ids; a tokenizer's are ints).
@@ -207,49 +231,55 @@ class ChainCache:
         if found is None:
             added = plain_chain_keys(config, ids, n * size, cache_salt)
         else:
-            added = continue_keys(config, found.digests[reused - 1], ids, reused * size,
+            added = continue_keys(config, found.digest(reused - 1), ids, reused * size,
                                   n * size)
         self.hashed_blocks += len(added)
         # How far the new keys are the found chain's own (a prefix of it, or its end
         # reached between two fingerprints).
         follow = 0
         if found is not None:
-            theirs = found.digests
-            limit = min(len(added), len(theirs) - reused)
-            while follow < limit and added[follow] == theirs[reused + follow]:
+            limit = min(len(added), len(found) - reused)
+            while follow < limit and added[follow] == found.digest(reused + follow):
                 follow += 1
         with self._lock:
-            alive = found is not None and id(found) in self._chains
+            alive = found is not None and found.serial in self._chains
             if found is not None and alive and follow == len(added):
                 # All of it is the found chain's: remember this length too.
                 owner, first = found, n
-                added_events: list[int] = []
-            elif found is not None and alive and reused + follow == len(found.digests):
+            elif found is not None and alive and reused + follow == len(found):
                 # The conversation grew a turn: extend its chain (its prefixes stay valid).
-                owner, first = found, len(found.digests) + 1
-                added_events = _event_keys(added[follow:])
-                owner.digests.extend(added[follow:])
-                owner.event_keys.extend(added_events)
-                self.blocks += len(added_events)
+                owner, first = found, len(found) + 1
+                grown = added[follow:]
+                owner.digests += b"".join(grown)
+                owner.event_keys += tuple(_event_keys(grown))
+                self.blocks += len(grown)
             else:
                 # A new chain, or a branch off a remembered one: it takes that one's keys up
-                # to the branch (a chain's lists only ever grow, so this prefix is as read).
-                known = found.digests[:reused] if found is not None else []
-                known_events = found.event_keys[:reused] if found is not None else []
-                added_events = _event_keys(added)
-                owner = _Chain(digests=known + added, event_keys=known_events + added_events)
-                self._chains[id(owner)] = owner
+                # to the branch (a chain's buffers only ever grow, so this prefix is as read).
+                width = found.width if found is not None else len(added[0]) if added else 0
+                owner = _Chain(
+                    serial=next(self._serials), width=width,
+                    digests=(found.digests[:reused * width] if found is not None
+                             else bytearray()) + b"".join(added),
+                    event_keys=(found.event_keys[:reused] if found is not None else ())
+                    + tuple(_event_keys(added)))
+                self._chains[owner.serial] = owner
                 first = reused + 1
                 self.blocks += n
             prints = self._prints(head, data, step, first, n)
-            self._memo.update(dict.fromkeys(prints, owner))
-            owner.prints.extend(prints)
-            self._chains.move_to_end(id(owner))
+            self._memo.update(dict.fromkeys(prints, owner.serial))
+            owner.prints += b"".join(prints)
+            self._chains.move_to_end(owner.serial)
             while self.blocks > self.capacity_blocks and len(self._chains) > 1:
                 self._evict(self._chains.popitem(last=False)[1])
-            keys = owner.event_keys[:n]
+            keys = list(owner.event_keys[:n])
         self.reused_blocks += reused
         return keys
+
+    def _chain_at(self, fingerprint: bytes) -> _Chain | None:
+        """The chain the memo leads to from `fingerprint`, if any."""
+        serial = self._memo.get(fingerprint)
+        return None if serial is None else self._chains.get(serial)
 
     @staticmethod
     def _prints(head: bytes, data: memoryview, step: int, first: int, n: int) -> list[bytes]:
@@ -268,10 +298,12 @@ class ChainCache:
         return prints
 
     def _evict(self, chain: _Chain) -> None:
-        for p in chain.prints:
-            if self._memo.get(p) is chain:
+        prints = chain.prints
+        for at in range(0, len(prints), _PRINT_BYTES):
+            p = bytes(prints[at:at + _PRINT_BYTES])
+            if self._memo.get(p) == chain.serial:
                 del self._memo[p]
-        self.blocks -= len(chain.digests)
+        self.blocks -= len(chain)
 
 
 @dataclass(frozen=True)

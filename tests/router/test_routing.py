@@ -101,6 +101,27 @@ def test_upstream_payload_never_duplicates_a_key_the_client_sent() -> None:
                                                      "include_usage": True}
 
 
+def test_the_collector_does_not_walk_what_the_chain_cache_remembers() -> None:
+    """A full collection visits every element of every tracked container: the chain
+    cache's keys, digests and fingerprints must not be such containers (router/collector.py
+    measured what walking them cost a serving gateway)."""
+    cache = ChainCache()
+    history = list(range(1000, 1000 + 16 * 40))
+    cache.event_keys(CONFIG, history, "s")
+    cache.event_keys(CONFIG, [*history, *range(7000, 7000 + 16 * 3)], "s")  # grown in place
+    cache.event_keys(CONFIG, [*history[:16 * 20], *range(9000, 9000 + 16 * 5)], "s")  # a branch
+    gc.collect()
+    assert len(cache._chains) == 2
+    assert not gc.is_tracked(cache._memo)
+    for chain in cache._chains.values():
+        for part in (chain.digests, chain.event_keys, chain.prints):
+            assert not gc.is_tracked(part), type(part)
+    # and what they hold is still the keys, in order
+    grown = [*history, *range(7000, 7000 + 16 * 3)]
+    assert cache.event_keys(CONFIG, grown, "s") == \
+        [event_key(d) for d in chain_hashes(CONFIG, grown, cache_salt="s")]
+
+
 def test_chain_cache_matches_vllm_keys_and_hashes_only_new_blocks() -> None:
     cache = ChainCache()
     history = list(range(1000, 1000 + 16 * 40 + 5))
