@@ -70,6 +70,11 @@ class PolicyConfig:
     `spread_ties`: among near-equal replicas cache_aware takes those with the least work
     queued ahead (True, the default; False samples them by score alone; docs/POLICY.md
     has the runs that decided it).
+    `shared_step`: charge a request the delay its first prefill chunk adds to the
+    request ahead of it whose prefill ends in the step that chunk joins (vLLM's chunked
+    prefill fills each step's budget, prefill_chunk_tokens, first come, first served);
+    False, the default: on two 8-sim windows it moved TTFT both ways within the spread
+    (router/policy/cost.py's shared_step_delay; docs/POLICY.md has the runs).
     `fleet_waiting`: the requests a prefill delays are at least the fleet's mean waiting
     per replica, not only those waiting where it goes (False, the default; see
     router/policy/cost.py and docs/POLICY.md for the runs).
@@ -107,6 +112,7 @@ class PolicyConfig:
     work_relative: bool = False
     share_work: bool = True
     spread_ties: bool = True
+    shared_step: bool = False
     fleet_waiting: bool = False
     defer_cap: float | None = 0.5
     hold_cap: float | None = 0.5

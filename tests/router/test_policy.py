@@ -22,6 +22,7 @@ from router.policy import (
     cached_tokens,
     estimate_ttft,
 )
+from router.policy.cost import shared_step_delay
 
 PROMPT = 2000  # tokens; at block size 16, 124 blocks are cacheable ((2000 - 1) // 16)
 FULL = 124
@@ -634,6 +635,41 @@ def test_delay_to_others_is_charged_only_above_the_least_work_it_could_cost() ->
     assert policy(tolerance=0.0, work_relative=True).decide(long_prompt, [hit, r1]).replica_id == "r0"
 
 
+def test_shared_step_charges_the_chunk_a_request_adds_to_the_step_ahead_of_it() -> None:
+    # vLLM fills a step's budget first come, first served: a request's first chunk
+    # fills what the queue ahead leaves of its last step, and the request ending there
+    # waits for all of it.
+    p = PrefillProfile(base_s=0.01, per_token_s=1e-4)
+    # 441 tokens ahead: a 9,000-token prompt's first chunk is the other 1,607 tokens.
+    assert shared_step_delay(9000, 441e-4, p, 1.0, 2048) == pytest.approx(1607e-4)
+    # A short prompt adds only itself; the learned bias scales both sides.
+    assert shared_step_delay(300, 2 * 441e-4, p, 2.0, 2048) == pytest.approx(2 * 300e-4)
+    # A queue of whole steps (two here) fills its last one: nothing is shared.
+    assert shared_step_delay(9000, 4096e-4, p, 1.0, 2048) == pytest.approx(0.0)
+    # Past one step the new chunk joins the last: 2,100 tokens leave 1,996 of a second.
+    assert shared_step_delay(9000, 2100e-4, p, 1.0, 2048) == pytest.approx(1996e-4)
+
+
+def test_shared_step_keeps_a_long_prompt_off_a_short_one_about_to_start() -> None:
+    # A burst: a 950-token prompt has just gone to r0, idle until then; an 8,000-token
+    # prompt comes next. r1 is idle but a tenth slower (its learned bias). By its own
+    # first token r0 is sooner (the short prompt's 441 uncached tokens ahead against
+    # r1's 800 tokens' worth of slowness), but there the long prompt's first chunk joins
+    # the short one's step and makes it wait for 1,607 tokens more.
+    config = PolicyConfig(work_relative=True, tolerance=0.0, shared_step=True)
+    short_ahead = config.prefill.per_token_s * 441
+    r0 = ReplicaState("r0", block_size=16, pending=1, queued_prefill_s=short_ahead)
+    r1 = ReplicaState("r1", block_size=16, bias=1.1)
+    long_prompt = request(8000)
+    off = build_policy(replace(config, shared_step=False), random.Random(0))
+    assert off.decide(long_prompt, [r0, r1]).replica_id == "r0"
+    d = build_policy(config, random.Random(0)).decide(long_prompt, [r0, r1])
+    assert d.replica_id == "r1"
+    least = estimate_ttft(long_prompt, r1, 0.0, config).queued_work_s  # cold everywhere
+    est = estimate_ttft(long_prompt, r0, 0.0, config, least)
+    assert est.delay_to_others_s == pytest.approx(config.prefill.per_token_s * (2048 - 441))
+
+
 def test_defer_cap_bounds_how_long_a_cold_prompt_waits_for_the_short_ones() -> None:
     # A long prompt, cold everywhere: r0 has one request waiting behind 2 prefills of
     # this prompt's length of queued work, r1 four behind less. Charging its prefill per
@@ -665,18 +701,24 @@ def test_defer_cap_bounds_how_long_a_cold_prompt_waits_for_the_short_ones() -> N
     st.integers(1, 32000),
     st.sampled_from([0.0, 0.25, 0.5, 1.0, 3.0]),
     st.booleans(),
+    st.booleans(),
 )
 def test_defer_cap_bounds_the_wait_beyond_the_soonest_first_token(
     lines: list[tuple[int, float, int, float]], tokens: int, cap: float, fleet_waiting: bool,
+    shared: bool,
 ) -> None:
     # Cold everywhere, the prompt's own prefill is the same work wherever it goes; what
     # the delay to others may cost it, over the soonest predicted first token, is at
-    # most `defer_cap` of that prefill (at the largest learned bias).
+    # most `defer_cap` of that prefill (at the largest learned bias), and with
+    # shared_step the step it shares with the request ahead: at most its first chunk.
     states = [ReplicaState(f"r{i}", block_size=16, pending=pending, queued_prefill_s=queued,
                            decoding=decoding, bias=bias)
               for i, (pending, queued, decoding, bias) in enumerate(lines)]
-    config = PolicyConfig(tolerance=0.0, defer_cap=cap, fleet_waiting=fleet_waiting)
+    config = PolicyConfig(tolerance=0.0, defer_cap=cap, fleet_waiting=fleet_waiting,
+                          shared_step=shared)
     d = build_policy(config, random.Random(0)).decide(request(tokens), states)
     work = config.prefill.seconds(tokens, tokens) - config.prefill.base_s
-    slack = cap * max(s.bias for s in states) * work
+    bias = max(s.bias for s in states)
+    chunk = bias * config.prefill.per_token_s * min(tokens, config.prefill_chunk_tokens)
+    slack = cap * bias * work + (chunk if config.shared_step else 0.0)
     assert d.costs[d.replica_id] <= min(d.costs.values()) + slack + 1e-9
