@@ -43,8 +43,8 @@ What cache_aware minimises is that TTFT plus the delay its prefill adds for othe
                                              + min(waiting, defer_cap) * min(work, least_work))
               + work_weight * shared     # if work > 0 (queued ahead), with `shared_step` (off)
     shared    = bias * per_token_s * min(uncached, budget - leftover)
-    leftover  = the queue ahead's tokens in its last step (work / (bias * per_token_s)
-                modulo budget); budget = prefill_chunk_tokens
+    leftover  = the queue ahead's tokens in its last step: work / (bias * per_token_s)
+                less its whole steps before it, in (0, budget]; budget = prefill_chunk_tokens
     work      = prefill - base_s               # (unbiased) what it adds to the queue there
     least_work = min over the candidates of work   # where its best cache match is
     waiting   = pending + max(external_left, peer_pending)  # waiting for a prefill there
@@ -305,13 +305,14 @@ def shared_step_delay(uncached: int, work_s: float, profile: PrefillProfile, bia
     leftover is the queue's tokens in that step. The request whose prefill ends there
     waits for the whole step, so its first token comes that chunk's time later. The
     delay term above counts only the requests that will queue behind a request; this is
-    one ahead of it, and not a bet: with a burst of prompts arriving together (the
-    Mooncake traces' timestamps hold several), a 950-token prompt put on a replica alone
-    came back in 23 ms, and with a 9,300-token prompt sent after it to the same replica,
-    before the step began, in 375 ms (the sim steps as vLLM's scheduler does;
-    results/hold-cap-mooncake-conversation-300-from6600-8sims-seed923: 14 of 27 prompts
-    under 1k tokens came back over 1.5x their prediction, 230 ms late on average, 28 of
-    30 such with a longer prompt sent to the same replica within 50 ms after them).
+    one ahead of it, and not a bet: in a burst of prompts arriving together (the
+    Mooncake traces' timestamps hold several), a 953-token prompt predicted at 23 ms came
+    back in 374 ms, a 9,317-token prompt having gone to the same replica 2 ms after it
+    and into the same step (the sim steps as vLLM's scheduler does; alone it comes back
+    in 40 ms). In that run (results/hold-cap-mooncake-conversation-300-from6600-8sims-
+    seed923) 14 of 27 prompts under 1k tokens came back over 1.5x their prediction, 230
+    ms late on average, and 28 of 30 such prompts under 4k had a longer one sent to
+    their replica within 50 ms after them.
 
     The queue ahead is seconds (`work_s`, biased); in tokens it is about work_s over the
     biased per-token cost, which ignores the queue's attention and step bases: the
