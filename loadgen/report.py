@@ -274,7 +274,36 @@ def floor_lines(floor: TtftFloor, aggregated: Sequence[dict[str, Any]]) -> list[
             continue
         out.append(f"  - {a['policy']}: p50 {mine50 / p50:.2f}x, p99 {mine99 / p99:.2f}x "
                    "the floor's")
+    reach = floor_reach(floor, aggregated)
+    if reach is not None:
+        hop, at_p50, peer, ratio = reach
+        out.append(f"  - the floor plus the least time outside the replicas any router had "
+                   f"here ({_ms(hop)} ms, a mean): p50 {_ms(at_p50)} ms, {ratio:.2f}x "
+                   f"{peer}'s; no router without a queue at all gets under that")
     return out
+
+
+def floor_reach(floor: TtftFloor, aggregated: Sequence[dict[str, Any]]
+                ) -> tuple[float, float, str, float] | None:
+    """What a router with no queueing could reach at p50 against the best peer's p50.
+
+    Each request's floor plus the time its first token spends outside the replicas (the
+    client, the HTTP hops, the router's own work), taken as the least mean any policy of
+    the run had: the part of a p50 no placement removes. The best peer is the one with
+    the least median p50. Returns (that time, the reachable p50, the peer, the ratio), or
+    None without a floor, a peer, or an outside figure.
+    """
+    p50 = floor.percentile(50)
+    hops = [a["ttft_outside_mean_s"]["median"] for a in aggregated
+            if (a.get("ttft_outside_mean_s") or {}).get("median") is not None]
+    peers = [(a["ttft_p50_s"]["median"], a["policy"]) for a in aggregated
+             if is_peer(a["policy"]) and (a.get("ttft_p50_s") or {}).get("median")]
+    if p50 is None or not hops or not peers:
+        return None
+    hop = max(0.0, min(hops))
+    best, name = min(peers)
+    # A constant added to every request moves its percentiles by exactly that much.
+    return hop, p50 + hop, name, (p50 + hop) / best
 
 
 def _plots(runs: Sequence[PolicyRun], out: Path, time_scale: float) -> list[Path]:

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from loadgen.driver import RequestRecord, RunResult
+from loadgen.floor import TtftFloor
 from loadgen.oracle import OracleRequest, bounds
-from loadgen.report import PolicyRun, markdown_table, outside_lines, summarize, write_report
+from loadgen.report import (
+    PolicyRun,
+    floor_lines,
+    floor_reach,
+    markdown_table,
+    outside_lines,
+    summarize,
+    write_report,
+)
 from loadgen.rounds import aggregate
 
 
@@ -174,3 +184,25 @@ def test_repeated_rounds_lead_with_medians_spreads_and_peer_ratios(tmp_path: Pat
     # 47.5 ms at the client, 7.5 and 17.5 at the replicas; the peer's replicas untimed.
     assert "  - cache_aware: 35.0 ms (30.0-40.0) of a 47.5 ms mean" in md
     assert "  - vllm-router:kv_aware:" not in md
+
+
+def test_the_floor_plus_the_least_hop_is_what_no_queue_could_reach() -> None:
+    # Floors 0.1 / 0.2 / 0.3 s (p50 0.2); the least mean outside the replicas is the peer's
+    # 30 ms; the best peer (least p50) is vllm-router's at 460 ms: 230 / 460 = 0.5x.
+    floor = TtftFloor((0.1, 0.2, 0.3))
+    aggregated: list[dict[str, Any]] = [
+        {"policy": "cache_aware", "ttft_p50_s": {"median": 0.30},
+         "ttft_outside_mean_s": {"median": 0.05}},
+        {"policy": "vllm-router:kv_aware", "ttft_p50_s": {"median": 0.46},
+         "ttft_outside_mean_s": {"median": 0.03}},
+        {"policy": "smg:cache_aware", "ttft_p50_s": {"median": 0.50},
+         "ttft_outside_mean_s": None},
+    ]
+    hop, reach, peer, ratio = floor_reach(floor, aggregated) or (0, 0, "", 0)
+    assert (hop, peer) == (pytest.approx(0.03), "vllm-router:kv_aware")
+    assert reach == pytest.approx(0.23) and ratio == pytest.approx(0.5)
+    line = floor_lines(floor, aggregated)[-1]
+    assert "(30.0 ms, a mean): p50 230.0 ms, 0.50x vllm-router:kv_aware's" in line
+    # No peer in the run, or no outside figure anywhere: nothing to say.
+    assert floor_reach(floor, aggregated[:1]) is None
+    assert floor_reach(floor, [{**a, "ttft_outside_mean_s": None} for a in aggregated]) is None
