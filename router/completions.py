@@ -82,11 +82,13 @@ class Stages:
     routed: float = 0.0
     forwarded: float = 0.0
     held_s: float = 0.0  # of parse -> routed, held before the decision (prefill_hold.py)
+    # and after it for the queue ahead (policy.step_gate)
 
     def server_timing(self, now: float) -> str:
         """parse: the body read and checked; route: tokenized, keyed, looked up and
-        decided; hold: held for a replica's prefill queue to fall under a step (not part
-        of route); admit: admission and the upstream request built; upstream: from
+        decided; hold: held for a replica's prefill queue to fall under a step, or for
+        the queue ahead on its replica to reach its first tokens (policy.step_gate); not
+        part of route; admit: admission and the upstream request built; upstream: from
         forwarding until the answer's head can go out (streamed: the replica's head with
         proxy.early_head, else its first token; not streamed: the whole body), failovers
         before it included."""
@@ -148,9 +150,11 @@ async def _route_and_forward(gw: Gateway, request: AnyRequest, raw: bytes, tenan
                                         defer_keys=True)
     except NoReplicasError:
         return json_error(503, "no replica serves this model", "service_unavailable")
-    stages.routed = time.perf_counter()
-    stages.held_s = route.held_s
     try:
+        # Behind this gateway's queue on its replica (policy.step_gate): part of the hold.
+        route.held_s += await gw.pipeline.gate(route, turn)
+        stages.routed = time.perf_counter()
+        stages.held_s = route.held_s
         return await _admit_and_forward(gw, request, route, tenant, parsed, served, stages,
                                         turn)
     finally:

@@ -213,6 +213,12 @@ class OutstandingWork:
         bias = self.bias
         return [e for e in self._entries.values() if _prefilling(e, now, bias)]
 
+    def ahead(self, token: int, now: float) -> int:
+        """How many requests counted before `token` (begun earlier) are still prefilling
+        (see _prefilling): the queue a request sent now would join the end of."""
+        bias = self.bias
+        return sum(1 for t, e in self._entries.items() if t < token and _prefilling(e, now, bias))
+
     def view(self, now: float) -> WorkView:
         """The work ahead of a request sent at `now` (see the module docstring)."""
         # Every replica's view is read for every decision: one pass, no lists (a fleet of

@@ -40,7 +40,7 @@ from router.index import IndexUnavailable, PrefixIndex
 from router.native import pack_ids
 from router.outstanding import WorkView, fleet_bias, toward_fleet
 from router.pending import PendingChains, merge_matches
-from router.policy.cost import least_work, queue_ahead, seconds_to_room, step_s
+from router.policy.cost import least_work, queue_ahead, seconds_to_room, step_gate_s, step_s
 from router.policy.pipeline import NoReplicasError
 from router.policy.types import PolicyConfig, ReplicaState, RoutingDecision, RoutingRequest
 from router.prefill_hold import PrefillHold
@@ -641,8 +641,12 @@ class Route:
     # Set when the request goes upstream: a request refused after routing (context
     # length, overload) never reaches its replica, so its pending chain must not stay.
     sent: bool = False
-    # Seconds it was held at the gateway before its decision (router/prefill_hold.py).
+    # Seconds it was held at the gateway before its decision (router/prefill_hold.py),
+    # and after it for the queue ahead on its replica (RoutingPipeline.gate).
     held_s: float = 0.0
+    # The longest it may wait for that queue before going upstream (policy.step_gate;
+    # 0: send it now).
+    gate_s: float = 0.0
 
     def predicted_for(self, replica_id: str) -> int:
         return self.predicted.get(replica_id, 0)
@@ -910,6 +914,11 @@ class RoutingPipeline:
                       matches=lookup.matches, lookup=lookup,
                       decision_seconds=time.perf_counter() - started, cache_salt=cache_salt,
                       predicted=predicted, reserved=reserved)
+        config = self.policy.config
+        if reserved and config.step_gate and config.name == "cache_aware":
+            state = next(s for s in states if s.replica_id == decision.replica_id)
+            cached = decision.predicted_cached.get(decision.replica_id, 0)
+            route.gate_s = step_gate_s(request.num_prompt_tokens - cached, state, config)
         if self.pending is not None and chosen is not None:
             # Only the blocks past what the replica is known (or pending) to hold: the
             # rest is already where a lookup finds it.
@@ -920,6 +929,47 @@ class RoutingPipeline:
                 prompt.keys.get(chosen.target.hash_config, ())[known:], now,
                 None if prompt.complete else lambda: route.finish_keys(chains, pending))
         return route
+
+
+    async def gate(self, route: Route, turn: TurnLike = NO_TURN) -> float:
+        """Wait, up to `route.gate_s`, until this gateway's requests queued ahead of
+        `route` on its replica have their first bytes (policy.step_gate,
+        router/policy/cost.py step_gate_s); returns the seconds waited. The caller owns
+        the route's reservation throughout (it ends it however this ends)."""
+        rid = route.decision.replica_id
+        token = route.reserved.get(rid)
+        replica = next((r for r in route.candidates if r.replica_id == rid), None)
+        if route.gate_s <= 0.0 or token is None or replica is None:
+            return 0.0
+        work = replica.work
+        if not work.ahead(token, self.clock()):
+            return 0.0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + route.gate_s
+        changed = asyncio.Event()
+
+        def look_again(now: float) -> None:
+            changed.set()
+
+        waited = time.perf_counter()
+        work.listeners.append(look_again)
+        try:
+            async with turn.away():
+                # A first byte or an end there wakes it; a non-streamed request ahead,
+                # whose first byte is its last, stops counting at its predicted prefill
+                # without a change, so the deadline also bounds the wait for those.
+                while work.ahead(token, self.clock()):
+                    left = deadline - loop.time()
+                    if left <= 0.0:
+                        break
+                    changed.clear()
+                    try:
+                        await asyncio.wait_for(changed.wait(), left)
+                    except TimeoutError:
+                        break
+        finally:
+            work.listeners.remove(look_again)
+        return time.perf_counter() - waited
 
 
 # Blocks keyed past what the gateway remembers before a deferred decision (route's

@@ -325,3 +325,32 @@ def shared_step_delay(uncached: int, work_s: float, profile: PrefillProfile, bia
     # its last one, and the new request starts a step of its own.
     leftover = ahead - budget * (math.ceil(ahead / budget) - 1)
     return per_token * min(uncached, max(0.0, budget - leftover))
+
+
+def step_gate_s(uncached: int, replica: ReplicaState, config: PolicyConfig) -> float:
+    """How long a request routed to `replica` may wait at the gateway before it is sent,
+    for this gateway's requests queued there to finish their prefill (policy.step_gate);
+    0: send it now.
+
+    A request sent while prefill is queued ahead of it joins the step where that queue
+    ends: vLLM fills each step's token budget first come, first served, so its first
+    chunk fills what the queue leaves of the budget (shared_step_delay), and every
+    request finishing its prefill in that step gets its first token that much later. The
+    new request gains nothing by joining early: its own first token comes after the
+    queue ahead and its own whole prefill either way, so sent once the queue ahead has
+    its first bytes, it loses only the hop back and one more step's base, while the
+    requests ahead lose nothing. It is held where its chunk costs them more than that
+    base (a short prompt held behind another short one gains little either way).
+
+    Only this gateway's queue is waited for (its first bytes are what it sees), and at
+    most the queue's predicted time and half again plus a step's base: a prediction far
+    too short lets the request go as it would have gone without the gate."""
+    if replica.pending < 1 or replica.queued_prefill_s <= 0.0 or uncached <= 0:
+        return 0.0
+    profile: PrefillProfile = replica.profile or config.prefill
+    base_s = replica.bias * profile.base_s
+    chunk_s = shared_step_delay(uncached, replica.queued_prefill_s, profile, replica.bias,
+                                config.prefill_chunk_tokens)
+    if chunk_s <= base_s:
+        return 0.0
+    return 1.5 * replica.queued_prefill_s + base_s

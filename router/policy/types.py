@@ -75,6 +75,10 @@ class PolicyConfig:
     prefill fills each step's budget, prefill_chunk_tokens, first come, first served);
     False, the default: on two 8-sim windows it moved TTFT both ways within the spread
     (router/policy/cost.py's shared_step_delay; docs/POLICY.md has the runs).
+    `step_gate`: a request routed where this gateway's prefills are queued waits at the
+    gateway until they have their first tokens (at most their predicted time and half
+    again), where its first chunk would otherwise share their last step and delay each
+    of them (router/policy/cost.py's step_gate_s; docs/POLICY.md has the runs).
     `fleet_waiting`: the requests a prefill delays are at least the fleet's mean waiting
     per replica, not only those waiting where it goes (False, the default; see
     router/policy/cost.py and docs/POLICY.md for the runs).
@@ -113,6 +117,7 @@ class PolicyConfig:
     share_work: bool = True
     spread_ties: bool = True
     shared_step: bool = False
+    step_gate: bool = False
     fleet_waiting: bool = False
     defer_cap: float | None = 0.5
     hold_cap: float | None = 0.5
