@@ -339,8 +339,16 @@ def step_gate_s(uncached: int, replica: ReplicaState, config: PolicyConfig) -> f
     new request gains nothing by joining early: its own first token comes after the
     queue ahead and its own whole prefill either way, so sent once the queue ahead has
     its first bytes, it loses only the hop back and one more step's base, while the
-    requests ahead lose nothing. It is held where its chunk costs them more than that
-    base (a short prompt held behind another short one gains little either way).
+    requests ahead lose nothing. A request whose whole prefill costs less than that base
+    goes at once (a chunk that small delays no one by more than a step of its own would).
+
+    The chunk is min(uncached, the budget less the queue's part of its last step), and
+    the gateway knows neither term well (the queue in tokens is its seconds over a
+    per-token cost; the budget is the replica's max_num_batched_tokens, which
+    `prefill_chunk_tokens` need not be: the hold measured better at 2,048 on sims with
+    8,192, docs/POLICY.md). So the test is the prompt's own uncached prefill against
+    the base, and a chunk the budget leaves nearly nothing of (a queue ending at a step's
+    end) is held too: it waits a hop for nothing.
 
     Only this gateway's queue is waited for (its first bytes are what it sees), and at
     most the queue's predicted time and half again plus a step's base: a prediction far
@@ -348,9 +356,6 @@ def step_gate_s(uncached: int, replica: ReplicaState, config: PolicyConfig) -> f
     if replica.pending < 1 or replica.queued_prefill_s <= 0.0 or uncached <= 0:
         return 0.0
     profile: PrefillProfile = replica.profile or config.prefill
-    base_s = replica.bias * profile.base_s
-    chunk_s = shared_step_delay(uncached, replica.queued_prefill_s, profile, replica.bias,
-                                config.prefill_chunk_tokens)
-    if chunk_s <= base_s:
+    if profile.per_token_s * uncached <= profile.base_s:
         return 0.0
-    return 1.5 * replica.queued_prefill_s + base_s
+    return 1.5 * replica.queued_prefill_s + replica.bias * profile.base_s

@@ -30,20 +30,19 @@ CONFIG = PolicyConfig(name="cache_aware", seed=1, prefill=PROFILE, step_gate=Tru
                       prefill_chunk_tokens=2048)
 
 
-def test_a_long_prompt_waits_where_its_chunk_would_lengthen_the_last_step_ahead() -> None:
+def test_a_prompt_waits_where_our_prefill_is_queued_unless_it_costs_less_than_a_base() -> None:
     ahead = ReplicaState("r0", pending=1, queued_prefill_s=0.5)  # 500 tokens queued
-    # Its first chunk fills the 1,548 tokens the queue leaves of the step: 1.548 s more
-    # for the request ahead, against the 10 ms base of a step of its own. It waits up to
-    # the queue's time and half again, plus that base.
+    # Its first chunk would join the step where those 500 tokens end and delay them; it
+    # waits up to the queue's time and half again, plus a step's 10 ms base.
     assert step_gate_s(4000, ahead, CONFIG) == pytest.approx(1.5 * 0.5 + 0.01)
-    # A prompt whose chunk costs the request ahead less than a step's base goes at once.
-    assert step_gate_s(8, ahead, CONFIG) == 0.0
-    # Nothing of ours queued there, or a queue of whole steps (its last one full): the
-    # request's first chunk starts a step of its own.
+    assert step_gate_s(11, ahead, CONFIG) == pytest.approx(1.5 * 0.5 + 0.01)
+    # A prompt whose whole prefill costs no more than a step's base goes at once.
+    assert step_gate_s(10, ahead, CONFIG) == 0.0
+    # Nothing of ours queued there: nothing to wait for (others' queues are not seen).
     assert step_gate_s(4000, ReplicaState("r0"), CONFIG) == 0.0
-    assert step_gate_s(4000, ReplicaState("r0", pending=2, queued_prefill_s=4.096),
-                       CONFIG) == 0.0
-    # The learned bias scales the queue and the chunk alike.
+    assert step_gate_s(4000, ReplicaState("r0", pending=0, queued_prefill_s=0.5,
+                                          external_waiting=3), CONFIG) == 0.0
+    # The learned bias scales the queue and the base alike.
     slow = ReplicaState("r0", pending=1, queued_prefill_s=1.0, bias=2.0)
     assert step_gate_s(4000, slow, CONFIG) == pytest.approx(1.5 * 1.0 + 0.02)
 
