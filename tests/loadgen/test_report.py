@@ -115,7 +115,8 @@ def test_time_held_at_the_gateway_is_reported_beside_the_rest() -> None:
     assert row["held_mean_s"] == pytest.approx(0.002) and row["held_requests"] == 2
     assert row["before_upstream_mean_s"] == pytest.approx(0.001)
     line = next(x for x in outside_lines(aggregate([row])) if "cache_aware" in x)
-    assert line.endswith("; held there for a replica's queue to fall under a step "
+    assert line.endswith("; held there (for a replica's queue to fall under a step, or "
+                         "with step_gate for its queue ahead to reach a first token) "
                          "2.0 ms a request (2.0-2.0)")
     # Nothing held (or a peer without the stage): no such clause.
     for header in ["parse;dur=0.10, route;dur=0.50, hold;dur=0.00, admit;dur=0.40", None]:

@@ -86,8 +86,10 @@ async def test_a_long_prompt_goes_once_the_short_one_ahead_has_its_first_token()
     assert replica.work.view(time.monotonic()).pending == 1
 
 
-async def test_off_by_default_and_never_longer_than_its_bound() -> None:
+async def test_off_when_set_so_and_never_longer_than_its_bound() -> None:
+    assert PolicyConfig().step_gate  # on by default
     pipeline, replica = _pipeline(PolicyConfig(name="cache_aware", seed=1, prefill=PROFILE,
+                                               step_gate=False,
                                                prefill_chunk_tokens=2048)), _replica()
     await _route(pipeline, replica, 300)
     plain = await _route(pipeline, replica, 4000)
