@@ -247,7 +247,8 @@ def outside_lines(aggregated: Sequence[dict[str, Any]]) -> list[str]:
                 "of it in the gateway before going upstream")
             held = a.get("held_mean_s")
             if held and held["max"] > 0:
-                own += (f"; held there for a replica's queue to fall under a step "
+                own += (f"; held there (for a replica's queue to fall under a step, or "
+                        f"with step_gate for its queue ahead to reach a first token) "
                         f"{_ms(held['median'])} ms a request ({_ms(held['min'])}-"
                         f"{_ms(held['max'])})")
             out.append(f"  - {a['policy']}: {_ms(outside['median'])} ms "
