@@ -930,7 +930,6 @@ class RoutingPipeline:
                 None if prompt.complete else lambda: route.finish_keys(chains, pending))
         return route
 
-
     async def gate(self, route: Route, turn: TurnLike = NO_TURN) -> float:
         """Wait, up to `route.gate_s`, until this gateway's requests queued ahead of
         `route` on its replica have their first bytes (policy.step_gate,
