@@ -7,7 +7,7 @@ waits behind the 30k-token cold prompt that arrived a moment before it. Placemen
 cannot help once every replica is that busy (defer_cap's bet on where the next short
 prompt goes is all it can do). Held at the gateway instead, the question can go first.
 
-While every replica has at least a full prefill step queued (prefill_chunk_tokens
+While every replica has at least a full prefill step queued (policy.hold_step_tokens
 through its profile and learned bias: router/policy/cost.py step_s), new requests wait
 here and are let go in order of a deadline: their arrival plus hold_cap times their
 least prefill (what their best cache match leaves to compute). Each goes as soon as some

@@ -321,6 +321,7 @@ def _policy(s: _Section) -> PolicyConfig:
         fleet_waiting=s.get("fleet_waiting", _bool, d.fleet_waiting),
         defer_cap=s.get("defer_cap", _optional(_nonneg_number), d.defer_cap),
         hold_cap=s.get("hold_cap", _optional(_nonneg_number), d.hold_cap),
+        hold_step_tokens=s.get("hold_step_tokens", _pos_int, d.hold_step_tokens),
     )
     if out.kv_threshold >= 1.0:
         raise ConfigError(s.sub("kv_threshold"), f"must be below 1.0, got {out.kv_threshold!r}")

@@ -205,11 +205,13 @@ def queue_ahead(request: RoutingRequest, replica: ReplicaState, config: PolicyCo
 
 
 def step_s(replica: ReplicaState, config: PolicyConfig) -> float:
-    """Predicted seconds of one full prefill step on the replica (its per-step token
-    budget, prefill_chunk_tokens, through its profile and learned bias, less the step's
-    base, as queued work is counted)."""
+    """Predicted seconds of what the prefill hold counts as a full step on the replica
+    (hold_step_tokens through its profile and learned bias, less the step's base, as
+    queued work is counted). Not the replica's budget, prefill_chunk_tokens: the hold
+    needs enough queued there to keep it busy until its next release, and measured
+    better at 2,048 tokens than at the sims' 8,192 (docs/POLICY.md)."""
     profile: PrefillProfile = replica.profile or config.prefill
-    return replica.bias * profile.per_token_s * config.prefill_chunk_tokens
+    return replica.bias * profile.per_token_s * config.hold_step_tokens
 
 
 def seconds_to_room(request: RoutingRequest, replicas: Sequence[ReplicaState],

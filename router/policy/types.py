@@ -52,7 +52,8 @@ class PolicyConfig:
     load_cost_s per outstanding request (the scheduler's per-request overhead, and a
     tie-break between equally idle replicas), prefill_chunk_tokens is the replica's
     per-step prefill budget (vLLM's max_num_batched_tokens: a prefill of n uncached tokens
-    shares ceil(n / budget) steps with every decoding sequence), saturation_cost_s per request beyond a replica's
+    shares ceil(n / budget) steps with every decoding sequence; set it to the replicas'),
+    saturation_cost_s per request beyond a replica's
     capacity (saturation_load when the replica states none), kv_cost_s at full KV usage
     above kv_threshold, hot_cost_s per request above hot_ratio * fleet mean + hot_slack.
     `tolerance` is the cost slack, in units of the request's own cold prefill, within
@@ -95,6 +96,12 @@ class PolicyConfig:
     short prompts overtake long ones at the gateway, where the replicas' own queues are
     first come, first served (cache_aware only; router/prefill_hold.py; 0.5, the
     default: docs/POLICY.md has the runs; None: no holding).
+    `hold_step_tokens`: what the hold counts as a full prefill step, in tokens through
+    the replica's profile and learned bias (2,048, the default). Not the replicas'
+    budget: it is how much queued prefill is enough to keep a replica busy until the
+    hold's next release, and it measured better at 2,048 on sims whose budget is 8,192
+    (docs/POLICY.md); before it was a setting of its own, prefill_chunk_tokens served
+    both, so a user who set that to the replicas' budget got a hold that reordered less.
     `weights` overrides the policy's scorer weights by
     scorer name.
     """
@@ -123,6 +130,7 @@ class PolicyConfig:
     fleet_waiting: bool = False
     defer_cap: float | None = 0.5
     hold_cap: float | None = 0.5
+    hold_step_tokens: int = 2048
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import asyncio
 import json
 import time
 
+import pytest
 from loop_steps import until
 
 from router.config import LimitsConfig, TenantsConfig
@@ -185,7 +186,7 @@ async def test_a_held_request_is_decided_on_the_index_as_it_is_when_let_go() -> 
     # request, say): decided then, it goes to r1, where it costs next to nothing.
     profile = PrefillProfile(base_s=0.01, per_token_s=1e-4, per_token_context_s=0.0)
     config = PolicyConfig(name="cache_aware", seed=1, prefill=profile, hold_cap=0.5,
-                          prefill_chunk_tokens=200)
+                          hold_step_tokens=200)
     hold = PrefillHold(time.monotonic)
     index = MemoryIndex()
     pipeline = RoutingPipeline(tokenizers={}, chains=ChainCache(), index=index,
@@ -209,3 +210,34 @@ async def test_a_held_request_is_decided_on_the_index_as_it_is_when_let_go() -> 
     assert route.held_s > 0
     assert route.matches == {"r1": 256}
     assert route.decision.replica_id == "r1"
+
+
+@pytest.mark.parametrize(("chunk_tokens", "step_tokens", "held"),
+                         [(8192, 2048, True), (2048, 8192, False)])
+async def test_a_full_step_is_hold_step_tokens_not_the_replicas_budget(
+        chunk_tokens: int, step_tokens: int, held: bool) -> None:
+    # Two replicas with 0.5 s of prefill queued each: 5,000 tokens at 0.1 ms. The hold
+    # counts them full against its own step (2,048 tokens: 0.2 s) whatever the replicas'
+    # budget (prefill_chunk_tokens), and has room against 8,192 (0.82 s) even where the
+    # budget is 2,048: the budget once served as the hold's step, so a user who set it to
+    # the replicas' real 8,192 got a hold that held less.
+    profile = PrefillProfile(base_s=0.01, per_token_s=1e-4, per_token_context_s=0.0)
+    config = PolicyConfig(name="cache_aware", seed=1, prefill=profile, hold_cap=0.5,
+                          prefill_chunk_tokens=chunk_tokens, hold_step_tokens=step_tokens)
+    hold = PrefillHold(time.monotonic)
+    pipeline = RoutingPipeline(tokenizers={}, chains=ChainCache(), index=MemoryIndex(),
+                               policy=build_policy(config), index_deadline_s=1.0, hold=hold)
+    fleet = [Replica(target=ReplicaSource(name=f"r{i}", url=f"http://127.0.0.1:{9000 + i}",
+                                          models=("m",), hash_config=BLOCK).target(),
+                     healthy=True) for i in range(2)]
+    now = time.monotonic()
+    for replica in fleet:
+        replica.work.listeners.append(hold.changed)
+        replica.work.begin(now, 0.5, 0.5, True)
+    raw = json.dumps({"model": "m", "prompt": list(range(1, 1001)), "max_tokens": 1}).encode()
+    parsed = parse_request(raw, "completions", served_models=(), limits=LimitsConfig(),
+                           tenant=REGISTRY.identify(None), registry=REGISTRY)
+    route = await asyncio.wait_for(pipeline.route(parsed, fleet, time.monotonic(), None, None,
+                                                  offload=False, reserve=True), 5.0)
+    assert (route.held_s > 0) is held
+    assert hold.held_total == (1 if held else 0)
