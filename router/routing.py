@@ -40,7 +40,14 @@ from router.index import IndexUnavailable, PrefixIndex
 from router.native import pack_ids
 from router.outstanding import WorkView, fleet_bias, toward_fleet
 from router.pending import PendingChains, merge_matches
-from router.policy.cost import least_work, queue_ahead, seconds_to_room, step_gate_s, step_s
+from router.policy.cost import (
+    least_work,
+    peer_gate_s,
+    queue_ahead,
+    seconds_to_room,
+    step_gate_s,
+    step_s,
+)
 from router.policy.pipeline import NoReplicasError
 from router.policy.types import PolicyConfig, ReplicaState, RoutingDecision, RoutingRequest
 from router.prefill_hold import PrefillHold
@@ -645,8 +652,10 @@ class Route:
     # and after it for the queue ahead on its replica (RoutingPipeline.gate).
     held_s: float = 0.0
     # The longest it may wait for that queue before going upstream (policy.step_gate;
-    # 0: send it now).
+    # 0: send it now), and of that, how long other gateways' queue there was predicted
+    # to last at the decision (their first bytes are not seen here: waited out by time).
     gate_s: float = 0.0
+    peer_gate_s: float = 0.0
 
     def predicted_for(self, replica_id: str) -> int:
         return self.predicted.get(replica_id, 0)
@@ -919,6 +928,7 @@ class RoutingPipeline:
             state = next(s for s in states if s.replica_id == decision.replica_id)
             cached = decision.predicted_cached.get(decision.replica_id, 0)
             route.gate_s = step_gate_s(request.num_prompt_tokens - cached, state, config)
+            route.peer_gate_s = min(route.gate_s, peer_gate_s(state))
         if self.pending is not None and chosen is not None:
             # Only the blocks past what the replica is known (or pending) to hold: the
             # rest is already where a lookup finds it.
@@ -932,7 +942,8 @@ class RoutingPipeline:
 
     async def gate(self, route: Route, turn: TurnLike = NO_TURN) -> float:
         """Wait, up to `route.gate_s`, until this gateway's requests queued ahead of
-        `route` on its replica have their first bytes (policy.step_gate,
+        `route` on its replica have their first bytes and other gateways' queue there
+        has had its predicted time, `route.peer_gate_s` (policy.step_gate,
         router/policy/cost.py step_gate_s); returns the seconds waited. The caller owns
         the route's reservation throughout (it ends it however this ends)."""
         rid = route.decision.replica_id
@@ -941,10 +952,11 @@ class RoutingPipeline:
         if route.gate_s <= 0.0 or token is None or replica is None:
             return 0.0
         work = replica.work
-        if not work.ahead(token, self.clock()):
+        if not work.ahead(token, self.clock()) and route.peer_gate_s <= 0.0:
             return 0.0
         loop = asyncio.get_running_loop()
         deadline = loop.time() + route.gate_s
+        peers_done = loop.time() + route.peer_gate_s
         changed = asyncio.Event()
 
         def look_again(now: float) -> None:
@@ -966,6 +978,9 @@ class RoutingPipeline:
                         await asyncio.wait_for(changed.wait(), left)
                     except TimeoutError:
                         break
+                # Other gateways' queue: by the clock (no change here marks its end).
+                if (left := min(deadline, peers_done) - loop.time()) > 0.0:
+                    await asyncio.sleep(left)
         finally:
             work.listeners.remove(look_again)
         return time.perf_counter() - waited

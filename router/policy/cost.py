@@ -352,12 +352,28 @@ def step_gate_s(uncached: int, replica: ReplicaState, config: PolicyConfig) -> f
     the base, and a chunk the budget leaves nearly nothing of (a queue ending at a step's
     end) is held too: it waits a hop for nothing.
 
-    Only this gateway's queue is waited for (its first bytes are what it sees), and at
-    most the queue's predicted time and half again plus a step's base: a prediction far
-    too short lets the request go as it would have gone without the gate."""
-    if replica.pending < 1 or replica.queued_prefill_s <= 0.0 or uncached <= 0:
+    This gateway's queue is waited for until its first bytes (what it sees); other
+    gateways' (shared through Redis, router/shared_work.py) for its predicted time as of
+    the decision (peer_gate_s), since their first bytes are not seen here. At most the
+    whole queue's predicted time and half again plus a step's base: a prediction far too
+    short lets the request go as it would have gone without the gate."""
+    own = replica.pending >= 1 and replica.queued_prefill_s > 0.0
+    peers = peer_gate_s(replica)
+    if not (own or peers > 0.0) or uncached <= 0:
         return 0.0
     profile: PrefillProfile = replica.profile or config.prefill
     if profile.per_token_s * uncached <= profile.base_s:
         return 0.0
-    return 1.5 * replica.queued_prefill_s + replica.bias * profile.base_s
+    queued = (replica.queued_prefill_s if own else 0.0) + peers
+    return 1.5 * queued + replica.bias * profile.base_s
+
+
+def peer_gate_s(replica: ReplicaState) -> float:
+    """Seconds of other gateways' prefill queued on `replica` that a gated request waits
+    out (policy.step_gate): their predicted drain as of the decision, where they have
+    requests there without a first byte (0 with one gateway). Only work published before
+    the decision counts, so two gateways gating on each other's queue each wait a
+    finite, shrinking time and never for one another."""
+    if replica.peer_pending < 1:
+        return 0.0
+    return replica.peer_wait_s

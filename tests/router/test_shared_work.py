@@ -399,3 +399,38 @@ def _async(check: Any) -> Any:
     async def predicate() -> bool:
         return bool(check())
     return predicate
+
+
+async def test_a_request_gated_behind_another_gateways_queue_waits_out_its_predicted_time(
+        redis_server: Any) -> None:
+    # Gateway A has 300 ms of prefill queued on r0, its first byte not yet back. Gateway
+    # B's long prompt routed there waits that long at B (policy.step_gate) rather than
+    # join the step where A's queue ends; B sees no first bytes of A's, so it waits by
+    # the clock, and for nothing once A's requests there are all past their first byte.
+    client = Redis.from_url(redis_server.url)
+    shared_a = SharedWork(client, gateway_id="a")
+    shared_b = SharedWork(client, gateway_id="b")
+    config = PolicyConfig(name="cache_aware", seed=1, step_gate=True)
+    try:
+        shared_a.publish("r0", WorkView(wait_s=0.3, pending=1))
+        await shared_a.flushed()
+        gateway_b = RoutingPipeline(tokenizers={}, chains=ChainCache(), index=MemoryIndex(),
+                                    policy=build_policy(config), index_deadline_s=1.0,
+                                    shared=shared_b)
+        fleet = _replicas(1)
+        route = await gateway_b.route(_body(list(range(1, 4001))), fleet, time.monotonic(),
+                                      tenant="t", cache_salt=None, reserve=True)
+        assert 0.25 < route.peer_gate_s <= 0.3
+        assert route.gate_s > route.peer_gate_s
+        waited = await asyncio.wait_for(gateway_b.gate(route), 5.0)
+        assert route.peer_gate_s - 0.01 <= waited < route.gate_s
+        fleet[0].work.end(route.reserved["r0"], time.monotonic(), None)
+
+        shared_a.publish("r0", WorkView(wait_s=0.0, pending=0, decoding=1))
+        await shared_a.flushed()
+        route = await gateway_b.route(_body(list(range(1, 4001))), fleet, time.monotonic(),
+                                      tenant="t", cache_salt=None, reserve=True)
+        assert route.peer_gate_s == 0.0 and route.gate_s == 0.0
+        assert await gateway_b.gate(route) == 0.0
+    finally:
+        await client.aclose()

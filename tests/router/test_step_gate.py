@@ -14,7 +14,7 @@ from loop_steps import until
 from router.config import LimitsConfig, TenantsConfig
 from router.hashing import HashConfig
 from router.index import MemoryIndex
-from router.policy.cost import step_gate_s
+from router.policy.cost import peer_gate_s, step_gate_s
 from router.policy.pipeline import build_policy
 from router.policy.types import PolicyConfig, PrefillProfile, ReplicaState
 from router.replicas import Replica, ReplicaSource
@@ -38,10 +38,20 @@ def test_a_prompt_waits_where_our_prefill_is_queued_unless_it_costs_less_than_a_
     assert step_gate_s(11, ahead, CONFIG) == pytest.approx(1.5 * 0.5 + 0.01)
     # A prompt whose whole prefill costs no more than a step's base goes at once.
     assert step_gate_s(10, ahead, CONFIG) == 0.0
-    # Nothing of ours queued there: nothing to wait for (others' queues are not seen).
+    # Nothing queued there that a gateway sent: nothing to wait for (what only the
+    # scrape shows is not timed well enough to wait on).
     assert step_gate_s(4000, ReplicaState("r0"), CONFIG) == 0.0
     assert step_gate_s(4000, ReplicaState("r0", pending=0, queued_prefill_s=0.5,
                                           external_waiting=3), CONFIG) == 0.0
+    # Other gateways' queue (shared work) counts as ours does, while they have requests
+    # there without a first byte; their decoding alone is no queue.
+    peers = ReplicaState("r0", peer_pending=2, peer_wait_s=0.4)
+    assert step_gate_s(4000, peers, CONFIG) == pytest.approx(1.5 * 0.4 + 0.01)
+    assert peer_gate_s(peers) == pytest.approx(0.4)
+    both = ReplicaState("r0", pending=1, queued_prefill_s=0.5, peer_pending=1, peer_wait_s=0.2)
+    assert step_gate_s(4000, both, CONFIG) == pytest.approx(1.5 * 0.7 + 0.01)
+    decoding = ReplicaState("r0", peer_pending=0, peer_decoding=3, peer_wait_s=0.4)
+    assert step_gate_s(4000, decoding, CONFIG) == 0.0 and peer_gate_s(decoding) == 0.0
     # The learned bias scales the queue and the base alike.
     slow = ReplicaState("r0", pending=1, queued_prefill_s=1.0, bias=2.0)
     assert step_gate_s(4000, slow, CONFIG) == pytest.approx(1.5 * 1.0 + 0.02)
