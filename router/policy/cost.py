@@ -331,8 +331,8 @@ def shared_step_delay(uncached: int, work_s: float, profile: PrefillProfile, bia
 
 def step_gate_s(uncached: int, replica: ReplicaState, config: PolicyConfig) -> float:
     """How long a request routed to `replica` may wait at the gateway before it is sent,
-    for this gateway's requests queued there to finish their prefill (policy.step_gate);
-    0: send it now.
+    for the prefills queued there (this gateway's, and other gateways') to finish
+    (policy.step_gate); 0: send it now.
 
     A request sent while prefill is queued ahead of it joins the step where that queue
     ends: vLLM fills each step's token budget first come, first served, so its first

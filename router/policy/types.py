@@ -77,7 +77,8 @@ class PolicyConfig:
     False, the default: on two 8-sim windows it moved TTFT both ways within the spread
     (router/policy/cost.py's shared_step_delay; docs/POLICY.md has the runs).
     `step_gate`: a request routed where this gateway's prefills are queued waits at the
-    gateway until they have their first tokens (at most their predicted time and half
+    gateway until they have their first tokens (other gateways', known through the
+    shared work, for their predicted time; at most the queue's predicted time and half
     again), where its first chunk would otherwise share their last step and delay each
     of them (router/policy/cost.py's step_gate_s; True, the default: on two 8-sim
     windows p50 0.84x and 0.88x of the gate off, level on a saturated 4-sim one, p99
