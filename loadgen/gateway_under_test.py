@@ -53,7 +53,8 @@ class GatewayProfile:
         """For reports: the choice and the coefficients the gateway ran with."""
         if self.prefill is None:
             return f"{self.choice} (the gateway's built-in prefill profile)"
-        return f"{self.choice}: " + ", ".join(f"{k}={v:.3g}" for k, v in self.prefill.items())
+        return (f"{self.choice} (wall seconds): "
+                + ", ".join(f"{k}={v:.3g}" for k, v in self.prefill.items()))
 
 
 def gateway_prefill(profile: SimCostProfile) -> dict[str, float]:
@@ -66,11 +67,12 @@ def gateway_prefill(profile: SimCostProfile) -> dict[str, float]:
             "per_token_context_s": profile.attention_s}
 
 
-def calibrate(url: str, out: Path, max_model_len: int, time_scale: float = 1.0) -> SimCostProfile:
+def calibrate(url: str, out: Path, max_model_len: int) -> SimCostProfile:
     """Run `python -m replica calibrate` against one replica, as a user would.
 
-    With sims faster than real time the fit is in wall seconds; it is multiplied back
-    into simulated seconds, the unit of every other cost in the run.
+    The fit is in wall seconds, as the gateway that uses it: its queues drain, its
+    holds wait and its first bytes are timed by the wall clock, whatever the sims'
+    --time-scale (sims K times faster are, to the gateway, replicas K times faster).
     """
     lengths = [n for n in CALIBRATE_LENGTHS if n < max_model_len - 16]
     proc = subprocess.run(
@@ -80,13 +82,23 @@ def calibrate(url: str, out: Path, max_model_len: int, time_scale: float = 1.0) 
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     if proc.returncode != 0:
         raise HarnessError(f"replica calibrate against {url} failed:\n{proc.stderr[-2000:]}")
-    fitted = load_profile(str(out))
-    return SimCostProfile(fitted.name, *(time_scale * v for v in (
-        fitted.base_s, fitted.token_s, fitted.attention_s, fitted.kv_read_s)))
+    return load_profile(str(out))
+
+
+def wall_profile(profile: SimCostProfile, time_scale: float) -> SimCostProfile:
+    """A sim cost profile (simulated seconds) as seen on the wall clock of sims running
+    `time_scale` times faster than real time."""
+    return SimCostProfile(profile.name, *(v / time_scale for v in (
+        profile.base_s, profile.token_s, profile.attention_s, profile.kv_read_s)))
 
 
 def choose_profile(args: argparse.Namespace, fleet: TargetFleet, log_dir: Path) -> GatewayProfile:
-    """The gateway profile `--gateway-profile` asks for (calibrating once if asked)."""
+    """The gateway profile `--gateway-profile` asks for (calibrating once if asked), in
+    wall seconds (see calibrate). Until 2026-12-07 both were in simulated seconds, K
+    times the replicas' wall-clock speed: with --time-scale 2 every gateway started 2x
+    pessimistic and its learned bias had to bring it down to about 0.5, which one
+    gateway learned within its first readings and 4 gateways, each from a quarter of
+    them, learned over the whole run."""
     choice = args.gateway_profile
     if choice == "default":
         return GatewayProfile(choice, None)
@@ -94,9 +106,9 @@ def choose_profile(args: argparse.Namespace, fleet: TargetFleet, log_dir: Path) 
         if args.replica_kind != "sim":
             raise HarnessError("--gateway-profile exact needs sims (real vLLM has no "
                                "profile to copy): use calibrated or default")
-        return GatewayProfile(choice, gateway_prefill(load_profile(args.prefill_profile)))
-    fitted = calibrate(fleet.replicas[0].url, log_dir / "calibrated.json", fleet.max_model_len,
-                       args.time_scale)
+        return GatewayProfile(choice, gateway_prefill(
+            wall_profile(load_profile(args.prefill_profile), args.time_scale)))
+    fitted = calibrate(fleet.replicas[0].url, log_dir / "calibrated.json", fleet.max_model_len)
     return GatewayProfile(choice, gateway_prefill(fitted))
 
 

@@ -25,6 +25,7 @@ from loadgen.compare import (
     warm_run_wanted,
 )
 from loadgen.gateway_under_test import (
+    choose_profile,
     config_overrides,
     gateway_config,
     gateway_prefill,
@@ -103,7 +104,7 @@ def test_compare_two_policies_end_to_end(tmp_path: Path, tiny_model_dir: Path) -
     sim = load_profile("h100-llama3.1-8b")
     assert 0.5 * sim.token_s < profile.prefill["per_token_s"] < 2 * sim.token_s
     assert profile.prefill != gateway_prefill(sim)
-    assert "gateway profile: calibrated: base_s=" in md
+    assert "gateway profile: calibrated (wall seconds): base_s=" in md
 
 
 def test_gateway_config_exposes_routing_and_names_replicas() -> None:
@@ -131,6 +132,21 @@ def test_default_gateway_profile_leaves_the_gateways_own() -> None:
     for tokens, cached in ((16, 0), (2_000, 0), (30_000, 0), (8_000, 7_984), (20_000, 4_096)):
         assert exact.seconds(tokens - cached, tokens) == pytest.approx(
             sim.prefill_seconds(tokens, cached), rel=1e-9)
+
+
+@pytest.mark.parametrize("scale", [1.0, 4.0])
+def test_the_gateways_profile_is_in_wall_seconds_whatever_the_sims_time_scale(
+        scale: float, tmp_path: Path) -> None:
+    # The gateway times first bytes and drains its queues by the wall clock: sims K
+    # times faster than real time are, to it, replicas K times faster. A profile in
+    # simulated seconds made it K times pessimistic until its learned bias caught up.
+    args = _args("--out", "x", "--gateway-profile", "exact", "--time-scale", str(scale))
+    fleet = TargetFleet([], block_size=16, blocks_per_replica=10, max_model_len=512,
+                        stop=lambda: None)
+    profile = choose_profile(args, fleet, tmp_path)
+    sim = gateway_prefill(load_profile("h100-llama3.1-8b"))
+    assert profile.prefill is not None
+    assert profile.prefill == pytest.approx({k: v / scale for k, v in sim.items()})
 
 
 def test_peers_are_named_and_smg_is_skipped_on_token_ids_with_a_reason() -> None:
