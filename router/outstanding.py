@@ -104,6 +104,13 @@ class WorkView:
     # The readings it missed: those its fleet got since this replica's last one, over
     # the replicas the fleet counts them for (its fair share of them).
     missed_readings: float = 0.0
+    # What `wait_s` is made of, for joining other gateways' queues into one
+    # (router/shared_work.py `joined_wait`): the pending prefills' predicted seconds
+    # (bias included, none drained), seconds since this gateway's last first byte there
+    # (inf: none yet), and since its oldest pending request was sent (0: none pending).
+    queued_s: float = 0.0
+    progress_age_s: float = math.inf
+    oldest_age_s: float = 0.0
 
 
 @dataclass
@@ -122,6 +129,7 @@ class OutstandingWork:
     _entries: dict[int, _Entry] = field(default_factory=dict)
     _next: int = 0
     _anchor: float = 0.0  # last measured progress (see module docstring)
+    _last_first_byte: float = -math.inf  # the latest first byte itself (for WorkView)
     _log_bias: float = 0.0  # the exponential mean of log(measured / predicted), from 0
     _samples: int = 0
     _log_var: float = 0.0  # the exponential mean of the squared errors, from 0
@@ -167,6 +175,7 @@ class OutstandingWork:
         # Its prefill finished at `now`: whatever is still pending ahead of newcomers
         # starts from here (first come, first served).
         self._anchor = now
+        self._last_first_byte = now
         if entry.stream and entry.predicted_ttft_s > 0:
             measured = now - entry.sent_at
             if measured > 0:
@@ -227,9 +236,9 @@ class OutstandingWork:
         bias = self.bias
         wait = 0.0
         pending = 0
+        queued = 0.0
+        oldest = math.inf
         if self._entries:
-            oldest = math.inf
-            queued = 0.0
             for e in self._entries.values():
                 # _prefilling, inlined: a call per entry per replica per decision.
                 if e.first_byte_at is None and (e.stream or now - e.sent_at <= bias * e.prefill_s):
@@ -243,7 +252,9 @@ class OutstandingWork:
                         mean_prefill_s=self._mean_prefill_s, bias=bias, samples=self._samples,
                         log_var=_debiased(self._log_var, self._residuals),
                         residuals=self._residuals,
-                        missed_readings=since / max(1, self.fleet_readings.replicas))
+                        missed_readings=since / max(1, self.fleet_readings.replicas),
+                        queued_s=bias * queued, progress_age_s=now - self._last_first_byte,
+                        oldest_age_s=now - oldest if pending else 0.0)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -327,4 +338,6 @@ def toward_fleet(view: WorkView, fleet: FleetBias) -> WorkView:
     return WorkView(wait_s=view.wait_s * bias / view.bias, pending=view.pending,
                     decoding=view.decoding, mean_prefill_s=view.mean_prefill_s, bias=bias,
                     samples=view.samples, log_var=view.log_var, residuals=view.residuals,
-                    missed_readings=view.missed_readings)
+                    missed_readings=view.missed_readings,
+                    queued_s=view.queued_s * bias / view.bias,
+                    progress_age_s=view.progress_age_s, oldest_age_s=view.oldest_age_s)

@@ -55,7 +55,7 @@ from router.prefill_hold import Turn as HoldTurn
 from router.replicas import Replica
 from router.request import ParsedRequest
 from router.shared_segments import SharedSegments
-from router.shared_work import NO_PEER_WORK, PeerWork, SharedWork
+from router.shared_work import NO_PEER_WORK, PeerWork, SharedWork, joined_wait
 from router.tokenize import DeferredIds, PromptTokenizer
 from router.vllm_rules import skips_prefix_cache
 
@@ -612,7 +612,9 @@ def snapshot(replica: Replica, matched_blocks: int, now: float,
         external_running=external_running, external_waiting=external_waiting,
         mean_prefill_s=work.mean_prefill_s, bias=work.bias,
         scrape_age_s=max(0.0, now - replica.scraped_at) if replica.scraped_at else 0.0,
-        peer_wait_s=peers.wait_s, peer_pending=peers.pending, peer_decoding=peers.decoding,
+        # Theirs is what their queue adds to ours, the two joined into one line.
+        peer_wait_s=max(0.0, joined_wait(work, peers) - work.wait_s),
+        peer_pending=peers.pending, peer_decoding=peers.decoding,
     )
 
 

@@ -263,12 +263,15 @@ def test_a_view_drawn_toward_its_fleet_keeps_every_other_field() -> None:
     import dataclasses
 
     view = WorkView(wait_s=0.3, pending=2, decoding=3, mean_prefill_s=0.04, bias=2.0,
-                    samples=7, log_var=0.2, residuals=6, missed_readings=1.5)
+                    samples=7, log_var=0.2, residuals=6, missed_readings=1.5,
+                    queued_s=0.5, progress_age_s=0.2, oldest_age_s=0.4)
     assert all(getattr(view, f.name) != f.default for f in dataclasses.fields(WorkView))
     drawn = toward_fleet(view, FleetBias(log_bias=0.0, log_var=0.01))
     assert drawn.bias != view.bias
+    # Its queue in seconds is rescaled with the bias, whole and in its parts.
     assert drawn == dataclasses.replace(view, bias=drawn.bias,
-                                        wait_s=view.wait_s * drawn.bias / view.bias)
+                                        wait_s=view.wait_s * drawn.bias / view.bias,
+                                        queued_s=view.queued_s * drawn.bias / view.bias)
 
 
 def test_a_view_counts_what_is_pending_and_what_decodes_in_one_pass() -> None:

@@ -22,13 +22,13 @@ from router.app import build_app, running_gateway
 from router.config import LimitsConfig, TenantsConfig, build_config
 from router.hashing import HashConfig
 from router.index import MemoryIndex
-from router.outstanding import WorkView
+from router.outstanding import OutstandingWork, WorkView
 from router.policy.pipeline import build_policy
 from router.policy.types import PolicyConfig
 from router.replicas import Replica, ReplicaSource
 from router.request import parse_request
 from router.routing import ChainCache, RoutingPipeline
-from router.shared_work import PeerWork, SharedWork, encode, parse
+from router.shared_work import PeerWork, SharedWork, encode, joined_wait, parse
 from router.tenants import TenantRegistry
 
 REGISTRY = TenantRegistry.from_config(TenantsConfig(allow_anonymous=True))
@@ -50,8 +50,63 @@ def test_parse_sums_other_gateways_and_skips_own_stale_and_malformed() -> None:
     assert set(peers) == {"r0", "r1"}
     assert abs(peers["r0"].wait_s - 0.6) < 1e-3
     assert (peers["r0"].pending, peers["r0"].decoding) == (3, 1)
-    assert peers["r1"] == PeerWork(wait_s=0.0, pending=1, decoding=3)
+    assert (peers["r1"].wait_s, peers["r1"].pending, peers["r1"].decoding) == (0.0, 1, 3)
     assert dead == [b"d/r2"]
+
+
+def _through_the_hash(views: dict[str, WorkView], wall: float) -> PeerWork:
+    """Other gateways' views of one replica, written and read back as routing reads them."""
+    raw = {f"{g}/r0".encode(): encode(v, wall) for g, v in views.items()}
+    return parse(raw, "me", wall, stale_s=3.0)[0].get("r0", PeerWork())
+
+
+def test_two_gateways_queues_on_one_replica_drain_as_one_line() -> None:
+    # Two gateways each sent a 1 s prefill to one replica at t=0. Half a second on, the
+    # replica has worked half a second of the two: 1.5 s are left, not 0.5 + 0.5 (each
+    # gateway drains its own queue from its own first bytes as if alone there).
+    own, other = OutstandingWork(), OutstandingWork()
+    own.begin(0.0, 1.0, 1.0, stream=True)
+    other.begin(0.0, 1.0, 1.0, stream=True)
+    mine = own.view(0.5)
+    peers = _through_the_hash({"b": other.view(0.5)}, wall=100.5)
+    assert mine.wait_s == pytest.approx(0.5) and peers.wait_s == pytest.approx(0.5)
+    assert joined_wait(mine, peers) == pytest.approx(1.5, abs=1e-3)
+
+
+def test_a_first_byte_at_any_gateway_reanchors_the_joined_line() -> None:
+    # The other gateway's first request came back at t=0.8: whatever is still pending
+    # anywhere started from there (first come, first served), ours included.
+    own, other = OutstandingWork(), OutstandingWork()
+    own.begin(0.0, 1.0, 1.0, stream=True)
+    first = other.begin(0.0, 0.6, 0.6, stream=True)
+    other.begin(0.1, 0.5, 0.5, stream=True)
+    other.first_byte(first, 0.8)
+    peers = _through_the_hash({"b": other.view(1.0)}, wall=101.0)
+    assert joined_wait(own.view(1.0), peers) == pytest.approx(1.0 + 0.5 - 0.2, abs=1e-3)
+    # Three gateways: the pending work adds up, the latest first byte anchors.
+    third = OutstandingWork()
+    third.begin(0.9, 0.4, 0.4, stream=True)
+    peers = _through_the_hash({"b": other.view(1.0), "c": third.view(1.0)}, wall=101.0)
+    assert joined_wait(own.view(1.0), peers) == pytest.approx(1.9 - 0.2, abs=1e-3)
+
+
+def test_a_joined_line_from_an_idle_start_drains_from_its_oldest_request() -> None:
+    # No first byte yet anywhere: the line started when its oldest request was sent,
+    # whichever gateway sent it (here the other, 0.3 s before ours).
+    own, other = OutstandingWork(), OutstandingWork()
+    other.begin(0.0, 0.5, 0.5, stream=True)
+    own.begin(0.3, 0.5, 0.5, stream=True)
+    peers = _through_the_hash({"b": other.view(0.4)}, wall=100.4)
+    assert joined_wait(own.view(0.4), peers) == pytest.approx(1.0 - 0.4, abs=1e-3)
+
+
+def test_without_other_gateways_pending_the_wait_is_this_gateways_own() -> None:
+    own, other = OutstandingWork(), OutstandingWork()
+    own.begin(0.0, 1.0, 1.0, stream=True)
+    token = other.begin(0.0, 0.2, 0.2, stream=True)
+    other.first_byte(token, 0.2)  # past its prefill: it decodes, it queues nothing
+    for peers in (PeerWork(), _through_the_hash({"b": other.view(0.5)}, wall=100.5)):
+        assert joined_wait(own.view(0.5), peers) == own.view(0.5).wait_s
 
 
 async def test_gateways_see_each_others_work_until_it_ends(redis_server: Any) -> None:
@@ -69,10 +124,12 @@ async def test_gateways_see_each_others_work_until_it_ends(redis_server: Any) ->
         assert await a.read(1.0) == {}  # a gateway does not count its own work twice
         replica.work.first_byte(token, time.monotonic())
         await a.flushed()
-        assert (await b.read(1.0))["r0"] == PeerWork(wait_s=0.0, pending=0, decoding=1)
+        seen = (await b.read(1.0))["r0"]
+        assert (seen.wait_s, seen.pending, seen.decoding, seen.queued_s) == (0.0, 0, 1, 0.0)
         replica.work.end(token, time.monotonic())
         await a.flushed()
-        assert (await b.read(1.0))["r0"] == PeerWork()
+        seen = (await b.read(1.0))["r0"]
+        assert (seen.wait_s, seen.pending, seen.decoding, seen.queued_s) == (0.0, 0, 0, 0.0)
         await a.close()  # a gateway that stops takes its fields with it
         assert await client_b.hgetall(b.key) == {}
     finally:
@@ -412,7 +469,7 @@ async def test_a_request_gated_behind_another_gateways_queue_waits_out_its_predi
     shared_b = SharedWork(client, gateway_id="b")
     config = PolicyConfig(name="cache_aware", seed=1, step_gate=True)
     try:
-        shared_a.publish("r0", WorkView(wait_s=0.3, pending=1))
+        shared_a.publish("r0", WorkView(wait_s=0.3, pending=1, queued_s=0.3))
         await shared_a.flushed()
         gateway_b = RoutingPipeline(tokenizers={}, chains=ChainCache(), index=MemoryIndex(),
                                     policy=build_policy(config), index_deadline_s=1.0,
