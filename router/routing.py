@@ -863,9 +863,10 @@ class RoutingPipeline:
             matches = self._with_pending(parsed.model, readable, members, lookup, now)
         primary = max(prompt.keys.items(), key=lambda kv: len(members[kv[0]]),
                       default=(None, ()))[1]
+        lane, lanes = self.shared.lane if self.shared is not None else (0, 1)
         request = RoutingRequest(model=parsed.model, keys=primary,
                                  num_prompt_tokens=prompt.num_tokens, tenant=tenant,
-                                 session_key=session_key)
+                                 session_key=session_key, lane=lane, lanes=lanes)
         states = self._states(replicas, matches, now, peers)
         hold_turn = self._hold_turn(request, replicas, states, peers, now)
         held_s = 0.0

@@ -180,6 +180,27 @@ def parse(raw: Mapping[bytes, bytes], own_gateway: str, wall: float, stale_s: fl
     return out, dead
 
 
+def lane_of(raw: Mapping[bytes, bytes], own_gateway: str, wall: float,
+            stale_s: float) -> tuple[int, int]:
+    """This gateway's place among the live gateways (those with a field written within
+    `stale_s`, and itself), ordered by id, and their count: how routing splits near-ties
+    between gateways deciding from the same snapshot (policy.lanes)."""
+    live = {own_gateway}
+    for name, value in raw.items():
+        gateway, sep, _ = name.partition(b"/")
+        parts = value.split()
+        if not sep or len(parts) < 4:
+            continue
+        try:
+            written = float(parts[3])
+        except ValueError:
+            continue
+        if wall - written <= stale_s:
+            live.add(gateway.decode(errors="replace"))
+    order = sorted(live)
+    return order.index(own_gateway), len(order)
+
+
 class SharedWork:
     """This gateway's side of the shared hash: publish its own work, read the others'."""
 
@@ -207,6 +228,7 @@ class SharedWork:
         self._heard_at = 0.0  # time.monotonic() of the feed's last message
         self._parsed: tuple[int, float, dict[str, PeerWork]] | None = None
         self.alone = False  # the last read found no other live gateway
+        self.lane = (0, 1)  # lane_of, as of the last read (routing's policy.lanes)
         self.write_failures = 0
 
     def _field(self, replica_id: str) -> bytes:
@@ -278,6 +300,7 @@ class SharedWork:
         if dead:
             self._dead = dead
         self.alone = not peers
+        self.lane = (0, 1) if self.alone else lane_of(raw, self.gateway_id, wall, self.stale_s)
         return peers
 
     def followed(self) -> dict[str, PeerWork] | None:

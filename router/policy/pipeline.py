@@ -96,7 +96,8 @@ class Policy:
         if self.config.spread_ties:
             unit = max((e.prefill_s for e in estimates.values()), default=0.0) or 1.0
             queued = {rid: e.queue_s / unit for rid, e in estimates.items()}
-        ranked = self.picker.rank(scores, self.rng, queued)
+        lane = (request.lane, request.lanes) if self.config.lanes else (0, 1)
+        ranked = self.picker.rank(scores, self.rng, queued, lane)
         chosen = ranked[0]
         return RoutingDecision(
             replica_id=chosen,

@@ -71,6 +71,10 @@ class PolicyConfig:
     `spread_ties`: among near-equal replicas cache_aware takes those with the least work
     queued ahead (True, the default; False samples them by score alone; docs/POLICY.md
     has the runs that decided it).
+    `lanes`: with several gateways sharing the fleet (known through the shared work),
+    each takes the near-equal replica first at or after its own place in the fleet (its
+    lane), instead of the same draw from the same snapshot (True, the default; False:
+    sampled as by one gateway; see pickers.ToleranceSampler).
     `shared_step`: charge a request the delay its first prefill chunk adds to the
     request ahead of it whose prefill ends in the step that chunk joins (vLLM's chunked
     prefill fills each step's budget, prefill_chunk_tokens, first come, first served);
@@ -126,6 +130,7 @@ class PolicyConfig:
     work_relative: bool = False
     share_work: bool = True
     spread_ties: bool = True
+    lanes: bool = True
     shared_step: bool = False
     step_gate: bool = True
     fleet_waiting: bool = False
@@ -143,6 +148,10 @@ class RoutingRequest:
     num_prompt_tokens: int = 0
     tenant: str | None = None
     session_key: str | None = None
+    # This gateway's place among the gateways sharing the fleet and their count
+    # (router/shared_work.py's lane; 0 of 1 alone).
+    lane: int = 0
+    lanes: int = 1
 
 
 # Not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__,

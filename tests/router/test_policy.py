@@ -206,6 +206,33 @@ def test_herding_sampled_within_tolerance_of_one_prefill_only() -> None:
     assert set(counts) == {"r0", "r1"}
 
 
+def test_gateways_deciding_from_one_snapshot_take_an_idle_fleet_in_lanes() -> None:
+    # A burst on an idle fleet: every replica near-equal. 4 gateways deciding at once
+    # from the same snapshot take 4 different replicas, each starting its own share of
+    # the fleet along the ids; with lanes off (or one gateway) each draws by score.
+    states = list(fleet(8).values())
+    firsts = [policy(seed=7).decide(request(lane=k, lanes=4), states).replica_id
+              for k in range(4)]
+    assert firsts == ["r0", "r2", "r4", "r6"]
+    # Each gateway's next choice, its own first one now queued, moves on along its lane.
+    for k, first in enumerate(firsts):
+        busier = [replace(st, inflight=1, pending=1, queued_prefill_s=0.05)
+                  if st.replica_id == first else st for st in states]
+        assert policy(seed=7).decide(request(lane=k, lanes=4), busier).replica_id == \
+            f"r{2 * k + 1}"
+    unlaned = {policy(seed=7, lanes=False).decide(request(lane=k, lanes=4), states).replica_id
+               for k in range(4)}
+    assert len(unlaned) == 1  # the same draw from the same snapshot: one replica, 4 times
+
+
+def test_lanes_split_only_near_ties_a_clearly_better_replica_wins_in_every_lane() -> None:
+    states = fleet(8)
+    states["r5"] = replace(states["r5"], matched_blocks=FULL)
+    for k in range(4):
+        d = policy().decide(request(lane=k, lanes=4), list(states.values()))
+        assert d.replica_id == "r5"
+
+
 def test_spread_ties_takes_the_near_equal_with_less_work_ahead() -> None:
     # The first turn of a burst sharing one prefix: r0 holds it (pending) behind a cold
     # prefill's worth of queue; r1 is idle and cold. Near-equal costs: by score alone

@@ -28,7 +28,7 @@ from router.policy.types import PolicyConfig
 from router.replicas import Replica, ReplicaSource
 from router.request import parse_request
 from router.routing import ChainCache, RoutingPipeline
-from router.shared_work import PeerWork, SharedWork, encode, joined_wait, parse
+from router.shared_work import PeerWork, SharedWork, encode, joined_wait, lane_of, parse
 from router.tenants import TenantRegistry
 
 REGISTRY = TenantRegistry.from_config(TenantsConfig(allow_anonymous=True))
@@ -107,6 +107,49 @@ def test_without_other_gateways_pending_the_wait_is_this_gateways_own() -> None:
     other.first_byte(token, 0.2)  # past its prefill: it decodes, it queues nothing
     for peers in (PeerWork(), _through_the_hash({"b": other.view(0.5)}, wall=100.5)):
         assert joined_wait(own.view(0.5), peers) == own.view(0.5).wait_s
+
+
+def test_a_gateways_lane_is_its_place_among_the_live_gateways() -> None:
+    now = 1000.0
+    raw = {
+        b"c/r0": encode(WorkView(), now),
+        b"a/r0": encode(WorkView(), now - 1.0),
+        b"a/r1": encode(WorkView(), now - 1.0),
+        b"d/r0": encode(WorkView(), now - 10.0),  # stale: gone
+        b"e/r0": b"not a value",
+    }
+    assert lane_of(raw, "b", now, stale_s=3.0) == (1, 3)  # a, b, c
+    assert lane_of(raw, "z", now, stale_s=3.0) == (2, 3)
+    assert lane_of({}, "b", now, stale_s=3.0) == (0, 1)
+
+
+async def test_two_gateways_take_different_idle_replicas_for_a_burst_from_one_snapshot(
+        redis_server: Any) -> None:
+    # Both see the same idle fleet (each other's work shared, nothing queued) and decide
+    # at once: in lanes they split; alone-style draws from one seed took the same one.
+    client = Redis.from_url(redis_server.url)
+    shared = [SharedWork(client, gateway_id=g) for g in ("a", "b")]
+    fleet = _replicas(4)
+    try:
+        for s in shared:
+            await s.beat({r.replica_id: r.work.view(time.monotonic()) for r in fleet})
+            await s.flushed()
+        for s in shared:
+            await s.read(1.0)
+        assert [s.lane for s in shared] == [(0, 2), (1, 2)]
+        chosen = []
+        for s in shared:
+            gateway = RoutingPipeline(tokenizers={}, chains=ChainCache(), index=MemoryIndex(),
+                                      policy=build_policy(PolicyConfig(seed=1)),
+                                      index_deadline_s=1.0, shared=s)
+            route = await gateway.route(_body(list(range(1, 501))), fleet, time.monotonic(),
+                                        tenant="t", cache_salt=None)
+            chosen.append(route.decision.replica_id)
+        assert chosen == ["r0", "r2"]
+    finally:
+        for s in shared:
+            await s.close()
+        await client.aclose()
 
 
 async def test_gateways_see_each_others_work_until_it_ends(redis_server: Any) -> None:
