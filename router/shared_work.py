@@ -53,7 +53,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -136,13 +136,15 @@ def encode(view: WorkView, wall: float) -> bytes:
 
 
 def parse(raw: Mapping[bytes, bytes], own_gateway: str, wall: float, stale_s: float,
-          forget_s: float | None = None) -> tuple[dict[str, PeerWork], list[bytes]]:
-    """Other gateways' work per replica id from the hash's fields, and the fields stale
-    for longer than `forget_s` (to delete). Own fields, stale and malformed ones are
-    skipped: a bad field must not stop routing."""
+          forget_s: float | None = None
+          ) -> tuple[dict[str, PeerWork], list[bytes], set[str]]:
+    """Other gateways' work per replica id from the hash's fields, the fields stale for
+    longer than `forget_s` (to delete), and the other live gateways' ids (for lane_of).
+    Own fields, stale and malformed ones are skipped: a bad field must not stop routing."""
     own = own_gateway.encode() + b"/"
     out: dict[str, PeerWork] = {}
     dead: list[bytes] = []
+    live: set[str] = set()
     for name, value in raw.items():
         if name.startswith(own):
             continue
@@ -167,6 +169,7 @@ def parse(raw: Mapping[bytes, bytes], own_gateway: str, wall: float, stale_s: fl
             if forget_s is not None and age > forget_s:
                 dead.append(name)
             continue
+        live.add(gateway.decode(errors="replace"))
         rid = replica.decode(errors="replace")
         prev = out.get(rid, NO_PEER_WORK)
         progress_age = wall - progress if progress > 0 else math.inf
@@ -177,27 +180,14 @@ def parse(raw: Mapping[bytes, bytes], own_gateway: str, wall: float, stale_s: fl
                             prev.queued_s + (max(0.0, queued) if pending else 0.0),
                             min(prev.progress_age_s, progress_age),
                             max(prev.oldest_age_s, oldest_age))
-    return out, dead
+    return out, dead, live
 
 
-def lane_of(raw: Mapping[bytes, bytes], own_gateway: str, wall: float,
-            stale_s: float) -> tuple[int, int]:
-    """This gateway's place among the live gateways (those with a field written within
-    `stale_s`, and itself), ordered by id, and their count: how routing splits near-ties
-    between gateways deciding from the same snapshot (policy.lanes)."""
-    live = {own_gateway}
-    for name, value in raw.items():
-        gateway, sep, _ = name.partition(b"/")
-        parts = value.split()
-        if not sep or len(parts) < 4:
-            continue
-        try:
-            written = float(parts[3])
-        except ValueError:
-            continue
-        if wall - written <= stale_s:
-            live.add(gateway.decode(errors="replace"))
-    order = sorted(live)
+def lane_of(others: Iterable[str], own_gateway: str) -> tuple[int, int]:
+    """This gateway's place among the live gateways (`others`, from parse(), and itself),
+    ordered by id, and their count: how routing splits near-ties between gateways
+    deciding from the same snapshot (policy.lanes)."""
+    order = sorted({own_gateway, *others})
     return order.index(own_gateway), len(order)
 
 
@@ -296,11 +286,11 @@ class SharedWork:
         """parse() the hash (read, or the followed copy) and note what it says: the
         long-dead fields, deleted by the next heartbeat, and whether this gateway is
         alone (parse() reports every live gateway's replicas, idle ones too)."""
-        peers, dead = parse(raw, self.gateway_id, wall, self.stale_s, self.forget_s)
+        peers, dead, live = parse(raw, self.gateway_id, wall, self.stale_s, self.forget_s)
         if dead:
             self._dead = dead
         self.alone = not peers
-        self.lane = (0, 1) if self.alone else lane_of(raw, self.gateway_id, wall, self.stale_s)
+        self.lane = (0, 1) if self.alone else lane_of(live, self.gateway_id)
         return peers
 
     def followed(self) -> dict[str, PeerWork] | None:

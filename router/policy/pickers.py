@@ -113,10 +113,16 @@ class ToleranceSampler:
         best = max(scores.values())
         line = best / (1.0 + self.tolerance) - _TIE_EPSILON
         near = sorted(rid for rid, s in scores.items() if s >= line)
-        if queued:
-            least = min(queued.get(rid, 0.0) for rid in near)
-            near = [rid for rid in near if queued.get(rid, 0.0) <= least + _TIE_EPSILON]
         place, lanes = lane
+        if queued:
+            # In lanes, work queued within `tolerance` of the least counts as least: the
+            # single least-queued replica would otherwise be every gateway's choice in a
+            # burst before any lane rule ran (4 gateways sent requests 193-196 of one
+            # window all to one replica that way).
+            slack = self.tolerance if lanes > 1 else 0.0
+            least = min(queued.get(rid, 0.0) for rid in near)
+            near = [rid for rid in near
+                    if queued.get(rid, 0.0) <= least + slack + _TIE_EPSILON]
         if lanes > 1 and len(near) > 1:
             chosen = _in_lane(sorted(scores), set(near), place, lanes)
         else:

@@ -225,6 +225,26 @@ def test_gateways_deciding_from_one_snapshot_take_an_idle_fleet_in_lanes() -> No
     assert len(unlaned) == 1  # the same draw from the same snapshot: one replica, 4 times
 
 
+def test_in_lanes_work_queued_within_tolerance_of_the_least_counts_as_least() -> None:
+    # Mid-burst: r3's queue is a little shorter than the rest (10 ms of a 58 ms prefill,
+    # its cost within tolerance). The least-queued rule alone would send all 4 gateways to r3;
+    # in lanes the near-least replicas are shared along the lanes.
+    states = {rid: replace(st, pending=1, queued_prefill_s=0.0 if rid == "r3" else 0.01)
+              for rid, st in fleet(8).items()}
+    laned = [policy(seed=7).decide(request(lane=k, lanes=4), list(states.values())).replica_id
+             for k in range(4)]
+    assert laned == ["r0", "r2", "r4", "r6"]
+    # One gateway keeps the strict rule: the least-queued near-equal, every time.
+    alone = {policy(seed=s).decide(request(), list(states.values())).replica_id
+             for s in range(20)}
+    assert alone == {"r3"}
+    # Beyond tolerance the shorter queue wins in every lane.
+    far = {rid: replace(st, queued_prefill_s=0.0 if rid == "r3" else 0.5)
+           for rid, st in states.items()}
+    assert {policy(seed=7).decide(request(lane=k, lanes=4), list(far.values())).replica_id
+            for k in range(4)} == {"r3"}
+
+
 def test_lanes_split_only_near_ties_a_clearly_better_replica_wins_in_every_lane() -> None:
     states = fleet(8)
     states["r5"] = replace(states["r5"], matched_blocks=FULL)

@@ -46,12 +46,13 @@ def test_parse_sums_other_gateways_and_skips_own_stale_and_malformed() -> None:
         b"e/r2": b"not a value",
         b"no-slash": encode(WorkView(wait_s=1.0, pending=1), now),
     }
-    peers, dead = parse(raw, "me", now, stale_s=3.0, forget_s=60.0)
+    peers, dead, live = parse(raw, "me", now, stale_s=3.0, forget_s=60.0)
     assert set(peers) == {"r0", "r1"}
     assert abs(peers["r0"].wait_s - 0.6) < 1e-3
     assert (peers["r0"].pending, peers["r0"].decoding) == (3, 1)
     assert (peers["r1"].wait_s, peers["r1"].pending, peers["r1"].decoding) == (0.0, 1, 3)
     assert dead == [b"d/r2"]
+    assert live == {"a", "b"}
 
 
 def _through_the_hash(views: dict[str, WorkView], wall: float) -> PeerWork:
@@ -118,9 +119,10 @@ def test_a_gateways_lane_is_its_place_among_the_live_gateways() -> None:
         b"d/r0": encode(WorkView(), now - 10.0),  # stale: gone
         b"e/r0": b"not a value",
     }
-    assert lane_of(raw, "b", now, stale_s=3.0) == (1, 3)  # a, b, c
-    assert lane_of(raw, "z", now, stale_s=3.0) == (2, 3)
-    assert lane_of({}, "b", now, stale_s=3.0) == (0, 1)
+    live = parse(raw, "b", now, stale_s=3.0)[2]
+    assert lane_of(live, "b") == (1, 3)  # a, b, c
+    assert lane_of(live, "z") == (2, 3)
+    assert lane_of(parse({}, "b", now, stale_s=3.0)[2], "b") == (0, 1)
 
 
 async def test_two_gateways_take_different_idle_replicas_for_a_burst_from_one_snapshot(
