@@ -63,7 +63,7 @@ from loadgen.gateway_under_test import (
     overrides_note,
     policy_variant,
 )
-from loadgen.harness import MODEL_NAME, REPO, HarnessError, parse_cpus
+from loadgen.harness import MODEL_NAME, REPO, HarnessError, parse_cpus, unbuilt_c_paths
 from loadgen.oracle import OracleRequest, bounds
 from loadgen.peers import PEERS, SMG, VLLM_ROUTER, peer_routers, skip_reason, split_policy
 from loadgen.report import PolicyRun, ReportFiles, summarize, write_report
@@ -432,6 +432,9 @@ def router(policy: str, fleet: TargetFleet, index: str, profile: GatewayProfile,
             note = overrides_note(args)
             if baseline:
                 note = "; ".join(filter(None, [note, f"code of {checkout_line(repo)}"]))
+            if unbuilt := unbuilt_c_paths(repo):
+                note = "; ".join(filter(None, [
+                    note, f"not built: {', '.join(unbuilt)} (its pure-Python fallback ran)"]))
             if count > 1:
                 note = "; ".join(filter(None, [note, f"{count} gateways sharing the index"]))
             yield urls, note
@@ -564,6 +567,13 @@ def run_comparison(args: argparse.Namespace, console: Any = None) -> Comparison:
         console.print(f"not comparing smg: {skip_reason(SMG, args.api)}")
     for reason in skipped:
         console.print(f"skipping {reason}")
+    checkouts = {REPO, *([args.baseline_repo.resolve()] if getattr(args, "baseline_repo", None)
+                         and any(p.startswith(BASELINE) for p in policies) else [])}
+    for repo in sorted(checkouts):
+        if unbuilt := unbuilt_c_paths(repo):
+            console.print(f"warning: {repo}: {', '.join(unbuilt)} not built there; its "
+                          "gateways run the pure-Python fallback (build it there: python setup.py "
+                          "build_ext --inplace)")
     args.model_dir = ensure_model_dir(Path(args.model_dir))
     args.out.mkdir(parents=True, exist_ok=True)
     total = len(build_workload(args).plan())

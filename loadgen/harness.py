@@ -26,6 +26,15 @@ class HarnessError(RuntimeError):
     """A component of the harness failed to start or answer; the message says which."""
 
 
+def unbuilt_c_paths(repo: Path) -> list[str]:
+    """The gateway's C extensions whose source the checkout holds but which are not built
+    beside it (a git worktree made for a comparison gets the sources, not the ignored
+    build outputs): its gateways would run the slower pure-Python fallbacks, which is not
+    what a user's install runs, and a before/after would compare the builds."""
+    return [str(c.relative_to(repo)) for c in sorted((repo / "router").rglob("_*.c"))
+            if not any(c.parent.glob(f"{c.stem}.*.so"))]
+
+
 def http_status(url: str, method: str = "GET", timeout: float = 2.0) -> int | None:
     """The HTTP status `url` answers with, or None when nothing answers."""
     req = urllib.request.Request(url, method=method)

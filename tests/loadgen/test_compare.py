@@ -31,7 +31,7 @@ from loadgen.gateway_under_test import (
     gateway_prefill,
     policy_variant,
 )
-from loadgen.harness import HarnessError
+from loadgen.harness import HarnessError, unbuilt_c_paths
 from loadgen.target_fleet import TargetFleet, TargetReplica
 from loadgen.workload_flags import build_workload
 from replica.profiles import load_profile
@@ -442,3 +442,17 @@ def test_sigterm_stops_every_process_the_run_started(tmp_path: Path,
         for child in started:  # only if the assertions above failed: they are ours
             if child.is_running():
                 child.kill()
+
+
+def test_a_checkout_without_its_built_c_extensions_is_named(tmp_path: Path) -> None:
+    # A git worktree made for a before/after gets router/*.c but not the ignored .so
+    # files: its gateways would quietly run the Python fallbacks (the lanes-slack
+    # candidates of 2026-12-07 did, against a baseline that had them).
+    (tmp_path / "router" / "index").mkdir(parents=True)
+    (tmp_path / "router" / "_keys.c").write_text("")
+    (tmp_path / "router" / "index" / "_upkeep.c").write_text("")
+    assert unbuilt_c_paths(tmp_path) == ["router/_keys.c", "router/index/_upkeep.c"]
+    (tmp_path / "router" / "_keys.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    assert unbuilt_c_paths(tmp_path) == ["router/index/_upkeep.c"]
+    (tmp_path / "router" / "index" / "_upkeep.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    assert unbuilt_c_paths(tmp_path) == []
