@@ -84,7 +84,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from loadgen.driver import server_timing_stages  # noqa: E402
-from loadgen.harness import unbuilt_c_paths  # noqa: E402
+from loadgen.harness import unbuilt_warning  # noqa: E402
 from replica.fleet import SimFleet  # noqa: E402
 from replica.processes import (  # noqa: E402
     children,
@@ -722,10 +722,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
     for repo in dict.fromkeys(filter(None, (args.gateway_repo, args.baseline_repo))):
-        if unbuilt := unbuilt_c_paths(repo.resolve()):
-            print(f"warning: {repo}: {', '.join(unbuilt)} not built there; its gateway runs "
-                  "the pure-Python fallback (build it there: python setup.py build_ext "
-                  "--inplace)", file=sys.stderr)
+        if warning := unbuilt_warning(repo.resolve()):
+            print(warning, file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     model_dir = args.model_dir or tiny_model(tmp)
     tokenizer = PromptTokenizer.from_dir(model_dir, max_model_len=MAX_MODEL_LEN)

@@ -63,7 +63,14 @@ from loadgen.gateway_under_test import (
     overrides_note,
     policy_variant,
 )
-from loadgen.harness import MODEL_NAME, REPO, HarnessError, parse_cpus, unbuilt_c_paths
+from loadgen.harness import (
+    MODEL_NAME,
+    REPO,
+    HarnessError,
+    parse_cpus,
+    unbuilt_c_paths,
+    unbuilt_warning,
+)
 from loadgen.oracle import OracleRequest, bounds
 from loadgen.peers import PEERS, SMG, VLLM_ROUTER, peer_routers, skip_reason, split_policy
 from loadgen.report import PolicyRun, ReportFiles, summarize, write_report
@@ -570,10 +577,8 @@ def run_comparison(args: argparse.Namespace, console: Any = None) -> Comparison:
     checkouts = {REPO, *([args.baseline_repo.resolve()] if getattr(args, "baseline_repo", None)
                          and any(p.startswith(BASELINE) for p in policies) else [])}
     for repo in sorted(checkouts):
-        if unbuilt := unbuilt_c_paths(repo):
-            console.print(f"warning: {repo}: {', '.join(unbuilt)} not built there; its "
-                          "gateways run the pure-Python fallback (build it there: python setup.py "
-                          "build_ext --inplace)")
+        if warning := unbuilt_warning(repo):
+            console.print(warning)
     args.model_dir = ensure_model_dir(Path(args.model_dir))
     args.out.mkdir(parents=True, exist_ok=True)
     total = len(build_workload(args).plan())

@@ -35,6 +35,15 @@ def unbuilt_c_paths(repo: Path) -> list[str]:
             if not any(c.parent.glob(f"{c.stem}.*.so"))]
 
 
+def unbuilt_warning(repo: Path) -> str | None:
+    """The warning `compare` and `bench_gateway` print before measuring a checkout whose C
+    extensions are not built, or None when they all are."""
+    if not (unbuilt := unbuilt_c_paths(repo)):
+        return None
+    return (f"warning: {repo}: {', '.join(unbuilt)} not built there; its gateways run the "
+            "pure-Python fallback (build it there: python setup.py build_ext --inplace)")
+
+
 def http_status(url: str, method: str = "GET", timeout: float = 2.0) -> int | None:
     """The HTTP status `url` answers with, or None when nothing answers."""
     req = urllib.request.Request(url, method=method)

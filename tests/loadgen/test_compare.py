@@ -31,7 +31,7 @@ from loadgen.gateway_under_test import (
     gateway_prefill,
     policy_variant,
 )
-from loadgen.harness import HarnessError, unbuilt_c_paths
+from loadgen.harness import HarnessError, unbuilt_c_paths, unbuilt_warning
 from loadgen.target_fleet import TargetFleet, TargetReplica
 from loadgen.workload_flags import build_workload
 from replica.profiles import load_profile
@@ -454,5 +454,9 @@ def test_a_checkout_without_its_built_c_extensions_is_named(tmp_path: Path) -> N
     assert unbuilt_c_paths(tmp_path) == ["router/_keys.c", "router/index/_upkeep.c"]
     (tmp_path / "router" / "_keys.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
     assert unbuilt_c_paths(tmp_path) == ["router/index/_upkeep.c"]
+    warning = unbuilt_warning(tmp_path)
+    assert warning is not None and "router/index/_upkeep.c" in warning
+    assert "router/_keys.c" not in warning and "build_ext --inplace" in warning
     (tmp_path / "router" / "index" / "_upkeep.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
     assert unbuilt_c_paths(tmp_path) == []
+    assert unbuilt_warning(tmp_path) is None
