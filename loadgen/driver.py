@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ REPLICA_HEADER = "x-cacheroute-replica"
 # went out naming another (router/proxy.py).
 _ANSWERED_BY = b": " + REPLICA_HEADER.encode() + b":"
 PREDICTED_HEADER = "x-cacheroute-predicted-cached-tokens"
+PREDICTED_TTFT_HEADER = "x-cacheroute-predicted-ttft-ms"
 CANDIDATES_HEADER = "x-cacheroute-candidates"
 
 
@@ -65,6 +67,9 @@ class RequestRecord:
     replica: str | None = None
     # What the gateway expected the replica to have cached (its index's view).
     predicted_cached_tokens: int | None = None
+    # The first token's time the gateway's cost model predicted on the replica it chose
+    # (x-cacheroute-predicted-ttft-ms; our gateway only), in the gateway's seconds.
+    predicted_ttft_s: float | None = None
     # Where the gateway's time went (its Server-Timing header: parse, route, admit,
     # upstream; router/completions.py Stages), for a run's analysis.
     server_timing: str | None = None
@@ -111,6 +116,16 @@ class RequestRecord:
         itl = self.itl_s
         d["itl_mean_s"] = sum(itl) / len(itl) if itl else None
         return d
+
+
+def predicted_ttft_s(header: str | None) -> float | None:
+    """x-cacheroute-predicted-ttft-ms in seconds; None without it, or where it is not a
+    finite non-negative number (a record keeps what it can read, never fails on it)."""
+    try:
+        ms = float(header) if header is not None else math.nan
+    except ValueError:
+        return None
+    return ms / 1000.0 if math.isfinite(ms) and ms >= 0 else None
 
 
 def server_timing_stages(header: str) -> dict[str, float]:
@@ -339,6 +354,7 @@ class Driver:
             predicted = resp.headers.get(PREDICTED_HEADER)
             if predicted is not None and predicted.isdigit():
                 rec.predicted_cached_tokens = int(predicted)
+            rec.predicted_ttft_s = predicted_ttft_s(resp.headers.get(PREDICTED_TTFT_HEADER))
             rec.server_timing = resp.headers.get("Server-Timing")
             rec.candidates = resp.headers.get(CANDIDATES_HEADER)
             if resp.status != 200:

@@ -27,6 +27,8 @@ from loadgen.oracle import OracleBounds
 from loadgen.rounds import aggregate, ratios_against_peers
 
 OURS = "cache_aware"
+# Percentiles of measured - predicted TTFT the report gives (summarize, prediction_lines).
+PREDICTION_QUANTILES = (10, 50, 90)
 
 
 @dataclass
@@ -159,6 +161,15 @@ def summarize(run: PolicyRun, time_scale: float = 1.0) -> dict[str, Any]:
         at_replicas = run.replica_ttft[1] / run.replica_ttft[0] * time_scale
         row["replica_ttft_mean_s"] = at_replicas
         row["ttft_outside_mean_s"] = row["ttft_mean_s"] - at_replicas
+    # How far the first token came from what the policy predicted on the replica it
+    # chose (measured - predicted: above 0, later than predicted). A decision is only as
+    # good as that prediction: one gateway that knows every queue it feeds predicts within
+    # tens of ms; gateways that share the replicas see one another's work late.
+    errors = sorted((r.ttft_s - r.predicted_ttft_s) * time_scale for r in done
+                    if r.ttft_s is not None and r.predicted_ttft_s is not None)
+    for q in PREDICTION_QUANTILES:
+        row[f"ttft_error_p{q}_s"] = _pct(errors, q)
+    row["ttft_predicted_requests"] = len(errors)
     if run.oracle is not None:
         row.update({f"oracle_{k}": v for k, v in run.oracle.as_dict().items()})
     return row
@@ -232,6 +243,30 @@ def ratio_lines(ratios: dict[str, dict[str, Any]], ours: str = OURS) -> list[str
                    f"({fmt(r['ours'])}{unit} vs {fmt(r['best_peer_value'])}{unit}, "
                    f"{r['best_peer']}; medians over rounds)")
     return out
+
+
+def prediction_lines(aggregated: Sequence[dict[str, Any]]) -> list[str]:
+    """Each policy's first tokens against what our gateway predicted for them (medians
+    over rounds); peers predict nothing and get no line."""
+    out = []
+    for a in aggregated:
+        spreads = {q: s for q in PREDICTION_QUANTILES if (s := a.get(f"ttft_error_p{q}_s"))}
+        if len(spreads) < len(PREDICTION_QUANTILES):
+            continue
+        parts = [f"p{q} {_signed_ms(s['median'])} ({_signed_ms(s['min'])} to "
+                 f"{_signed_ms(s['max'])})" for q, s in spreads.items()]
+        out.append(f"  - {a['policy']}: {', '.join(parts)} ms")
+    if out:
+        out.insert(0, "- TTFT measured minus the TTFT the gateway predicted on the replica it "
+                      "chose (x-cacheroute-predicted-ttft-ms), over requests: how well the "
+                      "policy saw the queues it decided on (above 0: later than predicted; "
+                      "measured from the client's send, predicted from the decision, so time "
+                      "held before it counts as late)")
+    return out
+
+
+def _signed_ms(v: float) -> str:
+    return f"{v * 1000:+.0f}"
 
 
 def outside_lines(aggregated: Sequence[dict[str, Any]]) -> list[str]:
@@ -429,6 +464,9 @@ def write_report(out: Path, runs: Sequence[PolicyRun], meta: dict[str, Any],
     outside = outside_lines(aggregated)
     if outside:
         lines += [*outside, ""]
+    predicted = prediction_lines(aggregated)
+    if predicted:
+        lines += [*predicted, ""]
     if repeated:
         lines += ["## Every run", ""]
         table = markdown_table([{**row, "policy": f"{row['policy']} (round {row['round'] + 1})"}

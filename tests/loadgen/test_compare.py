@@ -77,6 +77,13 @@ def test_compare_two_policies_end_to_end(tmp_path: Path, tiny_model_dir: Path) -
             timing = request["server_timing"]
             assert timing and all(f"{stage};dur=" in timing
                                   for stage in ("parse", "route", "admit", "upstream")), timing
+    # Every answer says what first token the gateway's cost model predicted where it went
+    # (round_robin's decisions ignore it; the model still ran).
+    for policy in rows:
+        predicted = [r["predicted_ttft_s"] for r in data["requests"][policy]]
+        assert all(p is not None and p > 0 for p in predicted), predicted
+        assert rows[policy]["ttft_predicted_requests"] == 9
+        assert rows[policy]["ttft_error_p50_s"] is not None
     # Round robin alternates the two replicas, request i on replica i % 2, while request i
     # is turn i // 3 of conversation i % 3: worked through by hand, 0 + 0 + 64 * 4 (the
     # system prompt) + 80 * 3 (each third turn finds its own first turn) = 496 tokens.

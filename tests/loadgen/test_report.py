@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from loadgen.driver import RequestRecord, RunResult
+from loadgen.driver import RequestRecord, RunResult, predicted_ttft_s
 from loadgen.floor import TtftFloor
 from loadgen.oracle import OracleRequest, bounds
 from loadgen.report import (
@@ -17,6 +17,7 @@ from loadgen.report import (
     floor_reach,
     markdown_table,
     outside_lines,
+    prediction_lines,
     summarize,
     write_report,
 )
@@ -124,6 +125,35 @@ def test_time_held_at_the_gateway_is_reported_beside_the_rest() -> None:
             r.server_timing = header
         row = summarize(PolicyRun("x", run, ["r0", "r1"], replica_ttft=(4, 0.030)))
         assert not any("held there" in x for x in outside_lines(aggregate([row])))
+
+
+def test_first_tokens_against_what_the_gateway_predicted() -> None:
+    # TTFTs 100, 20, 30, 40 ms; predicted 60, 20, 50, 10: measured - predicted is
+    # +40, 0, -20, +30 ms. A peer's answers carry no prediction: no figure, no line.
+    run = _run()
+    for r, predicted in zip(run.completed(), (0.060, 0.020, 0.050, 0.010), strict=True):
+        r.predicted_ttft_s = predicted
+    row = summarize(PolicyRun("cache_aware", run, ["r0", "r1"]), time_scale=2.0)
+    assert row["ttft_predicted_requests"] == 4
+    assert row["ttft_error_p50_s"] == pytest.approx(2 * 0.015)  # median of -20, 0, 30, 40
+    assert row["ttft_error_p10_s"] == pytest.approx(2 * -0.014)  # numpy's linear rule
+    assert row["ttft_error_p90_s"] == pytest.approx(2 * 0.037)
+    peer = summarize(PolicyRun("vllm-router:kv_aware", _run(), ["r0", "r1"]))
+    assert peer["ttft_predicted_requests"] == 0 and peer["ttft_error_p50_s"] is None
+    lines = prediction_lines(aggregate([row, peer]))
+    assert len(lines) == 2 and "predicted" in lines[0]
+    assert lines[1] == ("  - cache_aware: p10 -28 (-28 to -28), p50 +30 (+30 to +30), "
+                        "p90 +74 (+74 to +74) ms")
+    assert prediction_lines(aggregate([peer])) == []
+
+
+@pytest.mark.parametrize("header, seconds", [
+    ("311.7", 0.3117), ("0", 0.0), (None, None), ("", None), ("fast", None), ("-5", None),
+    ("nan", None), ("inf", None)])
+def test_the_predicted_ttft_header_is_read_or_left_out(header: str | None,
+                                                        seconds: float | None) -> None:
+    got = predicted_ttft_s(header)
+    assert got == (None if seconds is None else pytest.approx(seconds))
 
 
 def test_report_files(tmp_path: Path) -> None:
