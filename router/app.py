@@ -251,6 +251,7 @@ def _shared_work(gw: Gateway, fleet: Fleet) -> SharedWork | None:
     if redis is None or not gw.config.policy.share_work:
         return None
     shared = SharedWork(redis.client)
+    shared.delay_listeners.append(gw.metrics.record_shared_work_delay)
 
     def share(replica: Replica) -> None:
         def changed(now: float) -> None:

@@ -32,6 +32,9 @@ _DECISION_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 
 _INDEX_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _GC_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+# Other gateways' work reaches this one in a millisecond when the hosts are quiet, tens
+# of milliseconds when their cores are busy (router/shared_work.py).
+_FEED_BUCKETS = (5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 class _CallbackCollector(Collector):
@@ -240,6 +243,13 @@ class GatewayMetrics:
             "Garbage collections while serving, by generation (2: full), and how long each "
             "held the process: every request in flight waits that long.",
             ["generation"], buckets=_GC_BUCKETS, registry=r)
+        self.shared_work_delay = Histogram(
+            "cacheroute_shared_work_delay_seconds",
+            "From another gateway writing a change of its work on a replica to this gateway "
+            "applying it (wall clocks, router/shared_work.py): decisions made within it "
+            "cannot see that change; two gateways' requests then queue on one replica "
+            "unseen.",
+            buckets=_FEED_BUCKETS, registry=r)
 
     # -- helpers: the only way the gateway writes metrics -----------------------------
 
@@ -348,6 +358,9 @@ class GatewayMetrics:
 
     def record_gc_pause(self, generation: int, seconds: float) -> None:
         self._child(self.gc_pauses, str(generation)).observe(seconds)
+
+    def record_shared_work_delay(self, seconds: float) -> None:
+        self.shared_work_delay.observe(max(seconds, 0.0))  # clocks a hair apart
 
     def record_first_byte(self, seconds: float) -> None:
         """Gateway-side time to first byte."""

@@ -183,6 +183,16 @@ def parse(raw: Mapping[bytes, bytes], own_gateway: str, wall: float, stale_s: fl
     return out, dead, live
 
 
+def _written_at(value: bytes) -> float | None:
+    """When a field's value was written (encode's 4th part, wall seconds), or None for a
+    malformed one (parse skips those as well)."""
+    parts = value.split()
+    try:
+        return float(parts[3])
+    except (IndexError, ValueError):
+        return None
+
+
 def lane_of(others: Iterable[str], own_gateway: str) -> tuple[int, int]:
     """This gateway's place among the live gateways (`others`, from parse(), and itself),
     ordered by id, and their count: how routing splits near-ties between gateways
@@ -220,6 +230,9 @@ class SharedWork:
         self.alone = False  # the last read found no other live gateway
         self.lane = (0, 1)  # lane_of, as of the last read (routing's policy.lanes)
         self.write_failures = 0
+        # Told, for each other gateway's change the feed applies, the seconds since that
+        # gateway wrote it (its wall clock against this one's): the metrics' histogram.
+        self.delay_listeners: list[Callable[[float], None]] = []
 
     def _field(self, replica_id: str) -> bytes:
         return f"{self.gateway_id}/{replica_id}".encode()
@@ -360,11 +373,18 @@ class SharedWork:
     def _apply(self, data: bytes) -> None:
         assert self._copy is not None
         self._heard_at = time.monotonic()
+        own = self.gateway_id.encode() + b"/"
+        wall = self._clock()
         for name, value in _CHANGES_DECODER.decode(data).items():
             if value is None:
                 self._copy.pop(name, None)
-            else:
-                self._copy[name] = value
+                continue
+            self._copy[name] = value
+            if self.delay_listeners and not name.startswith(own):
+                written = _written_at(value)
+                if written is not None:
+                    for listener in self.delay_listeners:
+                        listener(wall - written)
         self._copy_version += 1
 
     async def heartbeat(self, views: Callable[[], Mapping[str, WorkView]]) -> None:

@@ -276,6 +276,18 @@ async def test_a_gateway_set_to_share_publishes_and_withdraws_its_work(
                 if share:
                     assert len(fields) == 1, fields
                     assert fields[0].endswith(f"/127.0.0.1:{up_port}".encode()), fields
+                    # Another gateway's change reaches it through the feed, timed in
+                    # its metrics from that gateway's writing.
+                    other = SharedWork(client, gateway_id="other")
+                    other.publish("r9", WorkView(pending=1))
+                    await other.flushed()
+
+                    async def timed(url: str = f"http://127.0.0.1:{port}/metrics") -> bool:
+                        async with session.get(url) as m:
+                            text = await m.text()
+                        return "cacheroute_shared_work_delay_seconds_count 1.0" in text
+                    await wait_until_async(timed, 5.0, "the change timed", interval=0.02)
+                    await other.close()
                 else:
                     assert fields == []
             assert await client.hkeys(b"cr:work") == []
@@ -421,6 +433,40 @@ async def test_a_follower_sees_each_change_without_a_read_and_drains_by_the_cloc
         await others[1].close()
         await _following(follower, lambda p: "r1" not in p and p["r0"].pending == 1,
                          "c's withdrawal")
+    finally:
+        job.cancel()
+        await asyncio.gather(job, return_exceptions=True)
+        await client.aclose()
+
+
+async def test_a_follower_times_each_other_gateways_change_from_its_writing(
+        redis_server: Any) -> None:
+    # The metrics' cacheroute_shared_work_delay_seconds: the follower's clock when it
+    # applies a change, minus the writer's when it wrote it. Not its own changes (the
+    # feed carries them back too), nor a withdrawal (nothing written to time).
+    client = Redis.from_url(redis_server.url)
+    writer_clock, follower_clock = [1000.0], [1000.25]
+    delays: list[float] = []
+    follower = SharedWork(client, gateway_id="a", clock=lambda: follower_clock[0],
+                          heartbeat_s=30.0)
+    follower.delay_listeners.append(delays.append)
+    writer = SharedWork(client, gateway_id="b", clock=lambda: writer_clock[0])
+    job = asyncio.create_task(follower.follow(retry_s=0.05))
+    try:
+        await _following(follower, lambda p: True, "the seed read")
+        follower.publish("r0", WorkView(wait_s=1.0, pending=1))  # its own: not timed
+        await follower.flushed()
+        writer.publish("r0", WorkView(wait_s=0.2, pending=1))
+        await writer.flushed()
+        await _following(follower, lambda p: "r0" in p, "b's change")
+        assert delays == [pytest.approx(0.25)]
+        writer_clock[0], follower_clock[0] = 1001.0, 1001.04
+        writer.publish("r1", WorkView(decoding=2))
+        await writer.flushed()
+        await _following(follower, lambda p: "r1" in p, "b's second change")
+        await writer.close()  # withdrawn: deleted fields, nothing timed
+        await _following(follower, lambda p: not p, "b's withdrawal")
+        assert delays == [pytest.approx(0.25), pytest.approx(0.04)]
     finally:
         job.cancel()
         await asyncio.gather(job, return_exceptions=True)
