@@ -165,8 +165,8 @@ def summarize(run: PolicyRun, time_scale: float = 1.0) -> dict[str, Any]:
     # chose (measured - predicted: above 0, later than predicted). A decision is only as
     # good as that prediction: one gateway that knows every queue it feeds predicts within
     # tens of ms; gateways that share the replicas see one another's work late.
-    errors = sorted((r.ttft_s - r.predicted_ttft_s) * time_scale for r in done
-                    if r.ttft_s is not None and r.predicted_ttft_s is not None)
+    errors = [(r.ttft_s - r.predicted_ttft_s) * time_scale for r in done
+              if r.ttft_s is not None and r.predicted_ttft_s is not None]
     for q in PREDICTION_QUANTILES:
         row[f"ttft_error_p{q}_s"] = _pct(errors, q)
     row["ttft_predicted_requests"] = len(errors)
