@@ -195,6 +195,7 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
         pending=PendingChains(ttl_s=gw.config.policy.pending_ttl_s), clock=fleet.now,
         shared=_shared_work(gw, fleet), segments=_shared_segments(gw),
         hold=_prefill_hold(gw, fleet))
+    gw.pipeline.claim_listeners.append(gw.metrics.record_claim)
     assert gw.upstream is not None
     gw.forwarder = Forwarder(gw.session, gw.upstream, fleet, gw.config.proxy, gw.metrics,
                              gw.rng)

@@ -250,6 +250,13 @@ class GatewayMetrics:
             "cannot see that change; two gateways' requests then queue on one replica "
             "unseen.",
             buckets=_FEED_BUCKETS, registry=r)
+        self.shared_work_claims = Counter(
+            "cacheroute_shared_work_claims_total",
+            "Requests whose replica was claimed in Redis before going upstream "
+            "(policy.claim), by outcome: kept (no other gateway's request had gone there "
+            "unseen), stayed or moved (one had: decided again, on the same replica or "
+            "another), failed (Redis did not answer in time: the decision was kept).",
+            ["outcome"], registry=r)
 
     # -- helpers: the only way the gateway writes metrics -----------------------------
 
@@ -361,6 +368,9 @@ class GatewayMetrics:
 
     def record_shared_work_delay(self, seconds: float) -> None:
         self.shared_work_delay.observe(max(seconds, 0.0))  # clocks a hair apart
+
+    def record_claim(self, outcome: str) -> None:
+        self._child(self.shared_work_claims, outcome).inc()
 
     def record_first_byte(self, seconds: float) -> None:
         """Gateway-side time to first byte."""

@@ -720,6 +720,8 @@ class RoutingPipeline:
     segments: SharedSegments | None = None
     # Requests held while every replica's prefill queue is full (policy.hold_cap).
     hold: PrefillHold | None = None
+    # Told each claim's outcome (policy.claim): "kept", "stayed", "moved" or "failed".
+    claim_listeners: list[Callable[[str], None]] = field(default_factory=list)
 
     def _states(self, replicas: Sequence[Replica], matches: Mapping[str, int], now: float,
                 peers: Mapping[str, PeerWork]) -> list[ReplicaState]:
@@ -891,11 +893,57 @@ class RoutingPipeline:
                 states = self._states(replicas, matches, now, peers)
             route = self._decide(parsed, prompt, request, states, replicas, lookup, matches,
                                  now, started, cache_salt, reserve)
+            if (self.policy.config.claim and self.shared is not None and not self.shared.alone
+                    and route.decision.replica_id in route.reserved):
+                async with turn.away():
+                    route = await self._claimed(route, parsed, prompt, request, replicas,
+                                                lookup, matches, peers, started, cache_salt)
             route.held_s = held_s
             return route
         finally:
             if hold_turn is not None:
                 hold_turn.done()
+
+    async def _claimed(self, route: Route, parsed: ParsedRequest, prompt: PreparedPrompt,
+                       request: RoutingRequest, replicas: Sequence[Replica],
+                       lookup: LookupResult, matches: Mapping[str, int],
+                       peers: Mapping[str, PeerWork], started: float,
+                       cache_salt: str | None) -> Route:
+        """`route` once its replica is claimed (policy.claim), or decided again where
+        another gateway's request reached that replica unseen.
+
+        Other gateways' changes reach this one through the feed, and in a burst on busy
+        cores they came 8 ms late at the median and 20 at p90: two gateways deciding
+        inside that gap from the same snapshot took one replica, and the second request
+        queued behind the first's prefill (with 4 gateways on 8 sims, 21-32 requests a
+        run came 300 ms or more after their prediction that way, 2026-12-07). The claim
+        writes this request's work and reads everyone's in one Redis transaction, so of
+        two claims on one replica the later one's read holds the earlier one's request,
+        whatever the feeds do. Where it shows more of other gateways' requests pending
+        there than the decision saw, the reservation is ended and the request decided
+        again on the read: it may stay (the replica is still the best) or move. Once
+        only: a second claim could meet a third gateway, and each costs a round trip.
+        A failed or late claim (the index deadline) keeps the decision, as before."""
+        assert self.shared is not None
+        rid = route.decision.replica_id
+        chosen = next(r for r in replicas if r.replica_id == rid)
+        fresh = await self.shared.claim(rid, chosen.work.view(self.clock()),
+                                        self.index_deadline_s)
+        if fresh is None:
+            outcome = "failed"
+        elif fresh.get(rid, NO_PEER_WORK).pending <= peers.get(rid, NO_PEER_WORK).pending:
+            outcome = "kept"
+        else:
+            now = self.clock()
+            route.release(now)
+            route.drop_pending(self.pending)
+            states = self._states(replicas, matches, now, fresh)
+            route = self._decide(parsed, prompt, request, states, replicas, lookup, matches,
+                                 now, started, cache_salt, True)
+            outcome = "stayed" if route.decision.replica_id == rid else "moved"
+        for listener in self.claim_listeners:
+            listener(outcome)
+        return route
 
     def _decide(self, parsed: ParsedRequest, prompt: PreparedPrompt, request: RoutingRequest,
                 states: Sequence[ReplicaState], replicas: Sequence[Replica],

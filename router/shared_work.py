@@ -240,6 +240,9 @@ class SharedWork:
     def publish(self, replica_id: str, view: WorkView) -> None:
         """Share this gateway's work on one replica (now, in the background)."""
         self._dirty[replica_id] = encode(view, self._clock())
+        self._schedule()
+
+    def _schedule(self) -> None:
         if self._flushing is None or self._flushing.done():
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
 
@@ -260,6 +263,42 @@ class SharedWork:
                 log.debug("shared work write failed: %s", exc)
                 return
             self._published.update(batch)
+
+    async def claim(self, replica_id: str, view: WorkView, timeout_s: float
+                    ) -> dict[str, PeerWork] | None:
+        """Write this gateway's work on one replica now (`view`, with the request just
+        decided there) and read every gateway's, in one atomic round trip: the other
+        gateways' work per replica id as Redis holds it at this write (policy.claim).
+
+        Redis runs the transaction as one step, so of two gateways claiming one replica
+        in the same instant, the second's read holds the first's request, whatever order
+        their changes reach each other's feeds in. The change is published as every write
+        is. None on a failed or late round trip: the write is then left to the coalesced
+        writer (the next change or the heartbeat), as any lost write is."""
+        value = encode(view, self._clock())
+        # Written here: a coalesced write not yet sent would only write it again.
+        self._dirty.pop(replica_id, None)
+        # A write in flight may hold an older value of this field and land after this one
+        # (another connection): then the newest is written once more after it.
+        overtaken = self._flushing is not None and not self._flushing.done()
+        field_name = self._field(replica_id)
+        try:
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.hset(self.key, field_name, value)
+            pipe.publish(self.channel, _CHANGES.encode({field_name: value}))
+            pipe.hgetall(self.key)
+            _, _, raw = await within(pipe.execute(), timeout_s)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.write_failures += 1
+            log.debug("shared work claim failed: %s", exc)
+            self._dirty.setdefault(replica_id, value)
+            self._schedule()
+            return None
+        self._published.add(replica_id)
+        if overtaken:
+            self._dirty.setdefault(replica_id, value)
+            self._schedule()
+        return self._take(cast(Mapping[bytes, bytes], raw), self._clock())
 
     async def flushed(self) -> None:
         """Wait until what has been published so far is written (or failed)."""

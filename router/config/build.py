@@ -317,6 +317,7 @@ def _policy(s: _Section) -> PolicyConfig:
         share_work=s.get("share_work", _bool, d.share_work),
         spread_ties=s.get("spread_ties", _bool, d.spread_ties),
         lanes=s.get("lanes", _bool, d.lanes),
+        claim=s.get("claim", _bool, d.claim),
         shared_step=s.get("shared_step", _bool, d.shared_step),
         step_gate=s.get("step_gate", _bool, d.step_gate),
         fleet_waiting=s.get("fleet_waiting", _bool, d.fleet_waiting),

@@ -75,6 +75,12 @@ class PolicyConfig:
     each takes the near-equal replica first at or after its own place in the fleet (its
     lane), instead of the same draw from the same snapshot (True, the default; False:
     sampled as by one gateway; see pickers.ToleranceSampler).
+    `claim`: with several gateways sharing the fleet, each request's replica is claimed
+    in Redis before the request goes upstream: one atomic round trip writes this
+    gateway's new work there and reads every gateway's, and where another gateway's
+    request had reached that replica unseen (its change still on the way through the
+    feed), the request is decided again on what the read shows (router/routing.py's
+    `_claimed`; False, the default; see docs/POLICY.md for the runs).
     `shared_step`: charge a request the delay its first prefill chunk adds to the
     request ahead of it whose prefill ends in the step that chunk joins (vLLM's chunked
     prefill fills each step's budget, prefill_chunk_tokens, first come, first served);
@@ -131,6 +137,7 @@ class PolicyConfig:
     share_work: bool = True
     spread_ties: bool = True
     lanes: bool = True
+    claim: bool = False
     shared_step: bool = False
     step_gate: bool = True
     fleet_waiting: bool = False

@@ -582,3 +582,115 @@ async def test_a_request_gated_behind_another_gateways_queue_waits_out_its_predi
         assert await gateway_b.gate(route) == 0.0
     finally:
         await client.aclose()
+
+
+async def test_a_claim_writes_this_gateways_work_and_reads_everyones_at_once(
+        redis_server: Any) -> None:
+    client = Redis.from_url(redis_server.url)
+    clock = [1000.0]
+    a = SharedWork(client, gateway_id="a", clock=lambda: clock[0])
+    b = SharedWork(client, gateway_id="b", clock=lambda: clock[0])
+    try:
+        b.publish("r0", WorkView(wait_s=2.0, pending=1, queued_s=2.0))
+        await b.flushed()
+        a.publish("r0", WorkView(pending=5))  # coalesced, not yet sent: the claim replaces it
+        mine = WorkView(wait_s=0.5, pending=1, queued_s=0.5)
+        peers = await a.claim("r0", mine, 1.0)
+        assert peers is not None and peers["r0"].pending == 1  # b's, read with the write
+        assert not a.alone
+        await a.flushed()
+        assert await client.hget(a.key, b"a/r0") == encode(mine, 1000.0)
+    finally:
+        await client.aclose()
+
+
+async def test_a_claim_redis_does_not_answer_is_written_later_and_decides_nothing(
+        redis_server: Any) -> None:
+    client = Redis.from_url(redis_server.url)
+    a = SharedWork(client, gateway_id="a")
+    try:
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert await a.claim("r0", WorkView(pending=1), 0.2) is None
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        assert a.write_failures == 1
+        await a.flushed()  # the coalesced writer takes it over
+        raw = await client.hget(a.key, b"a/r0")
+        assert raw is not None and raw.split()[1] == b"1"
+    finally:
+        await client.aclose()
+
+
+async def _collide(url: str, namespace: str, claim: bool) -> tuple[str, list[str], bytes]:
+    """Gateways a and b share 2 idle replicas; a has just sent a request to r1 (b's lane)
+    whose change is still on its way to b's feed (written to the hash, not published).
+    b then routes a cold prompt: where it went, its claims' outcomes, and b's field on r1
+    as written afterwards."""
+    client = Redis.from_url(url)
+    a = SharedWork(client, namespace=namespace, gateway_id="a", heartbeat_s=30.0)
+    b = SharedWork(client, namespace=namespace, gateway_id="b", heartbeat_s=30.0)
+    fleet = _replicas(2)
+    for r in fleet:
+        r.work.listeners.append(lambda now, r=r: b.publish(r.replica_id, r.work.view(now)))
+    job = asyncio.create_task(b.follow(retry_s=0.05))
+    try:
+        await a.beat({"r0": WorkView(), "r1": WorkView()})
+        await a.flushed()
+        await _following(b, lambda p: "r1" in p, "a's idle replicas")
+        assert b.lane == (1, 2)  # r1 first for b's near-ties
+        unseen = encode(WorkView(wait_s=2.0, pending=1, queued_s=2.0), time.time())
+        await client.hset(a.key, b"a/r1", unseen)  # no change published: b cannot see it
+        gateway = RoutingPipeline(
+            tokenizers={}, chains=ChainCache(), index=MemoryIndex(),
+            policy=build_policy(PolicyConfig(seed=1, claim=claim)), index_deadline_s=1.0,
+            shared=b)
+        outcomes: list[str] = []
+        gateway.claim_listeners.append(outcomes.append)
+        route = await gateway.route(_body([7] * 2048), fleet, time.monotonic(), tenant="t",
+                                    cache_salt=None, reserve=True)
+        await b.flushed()
+        return route.decision.replica_id, outcomes, await client.hget(b.key, b"b/r1")
+    finally:
+        job.cancel()
+        await asyncio.gather(job, return_exceptions=True)
+        await client.aclose()
+
+
+async def test_a_claim_moves_a_request_off_a_replica_another_gateway_took_unseen(
+        redis_server: Any) -> None:
+    blind = await _collide(redis_server.url, "blind", claim=False)
+    assert blind[:2] == ("r1", [])  # behind a's prefill: the collision the claim prevents
+    chosen, outcomes, on_r1 = await _collide(redis_server.url, "claimed", claim=True)
+    assert (chosen, outcomes) == ("r0", ["moved"])
+    assert on_r1 is not None and on_r1.split()[1] == b"0"  # its claim there withdrawn
+
+
+async def test_a_claim_that_finds_nothing_new_keeps_the_decision(redis_server: Any) -> None:
+    client = Redis.from_url(redis_server.url)
+    a = SharedWork(client, namespace="quiet", gateway_id="a")
+    b = SharedWork(client, namespace="quiet", gateway_id="b")
+    fleet = _replicas(2)
+    try:
+        await a.beat({"r0": WorkView(), "r1": WorkView()})
+        await a.flushed()
+        await b.read(1.0)  # not following: routing reads per request (sees a, idle)
+        gateway = RoutingPipeline(
+            tokenizers={}, chains=ChainCache(), index=MemoryIndex(),
+            policy=build_policy(PolicyConfig(seed=1, claim=True)), index_deadline_s=1.0,
+            shared=b)
+        outcomes: list[str] = []
+        gateway.claim_listeners.append(outcomes.append)
+        route = await gateway.route(_body([8] * 2048), fleet, time.monotonic(), tenant="t",
+                                    cache_salt=None, reserve=True)
+        assert outcomes == ["kept"]
+        assert route.decision.replica_id in route.reserved
+        # Alone, nothing is claimed: no other gateway could have taken a replica unseen.
+        await a.close()
+        await b.read(1.0)
+        assert b.alone
+        await gateway.route(_body([9] * 2048), fleet, time.monotonic(), tenant="t",
+                            cache_salt=None, reserve=True)
+        assert outcomes == ["kept"]
+    finally:
+        await client.aclose()
