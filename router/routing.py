@@ -895,6 +895,10 @@ class RoutingPipeline:
                                  now, started, cache_salt, reserve)
             if (self.policy.config.claim and self.shared is not None and not self.shared.alone
                     and route.decision.replica_id in route.reserved):
+                if hold_turn is not None:
+                    # Counted on its replica here already: the hold's next request need
+                    # not wait for this one's round trip (only other gateways do).
+                    hold_turn.done()
                 async with turn.away():
                     route = await self._claimed(route, parsed, prompt, request, replicas,
                                                 lookup, matches, peers, started, cache_salt)
@@ -931,13 +935,13 @@ class RoutingPipeline:
                                         self.index_deadline_s)
         if fresh is None:
             outcome = "failed"
-        elif fresh.get(rid, NO_PEER_WORK).pending <= peers.get(rid, NO_PEER_WORK).pending:
+        elif fresh.pending <= peers.get(rid, NO_PEER_WORK).pending:
             outcome = "kept"
         else:
             now = self.clock()
             route.release(now)
             route.drop_pending(self.pending)
-            states = self._states(replicas, matches, now, fresh)
+            states = self._states(replicas, matches, now, {**peers, rid: fresh})
             route = self._decide(parsed, prompt, request, states, replicas, lookup, matches,
                                  now, started, cache_salt, True)
             outcome = "stayed" if route.decision.replica_id == rid else "moved"

@@ -229,6 +229,7 @@ class SharedWork:
         self._parsed: tuple[int, float, dict[str, PeerWork]] | None = None
         self.alone = False  # the last read found no other live gateway
         self.lane = (0, 1)  # lane_of, as of the last read (routing's policy.lanes)
+        self._live: set[str] = set()  # the other live gateways, as of the last read
         self.write_failures = 0
         # Told, for each other gateway's change the feed applies, the seconds since that
         # gateway wrote it (its wall clock against this one's): the metrics' histogram.
@@ -265,29 +266,37 @@ class SharedWork:
             self._published.update(batch)
 
     async def claim(self, replica_id: str, view: WorkView, timeout_s: float
-                    ) -> dict[str, PeerWork] | None:
+                    ) -> PeerWork | None:
         """Write this gateway's work on one replica now (`view`, with the request just
-        decided there) and read every gateway's, in one atomic round trip: the other
-        gateways' work per replica id as Redis holds it at this write (policy.claim).
+        decided there) and read the other live gateways' work there, in one atomic round
+        trip: their work on it as Redis holds it at this write (policy.claim).
 
         Redis runs the transaction as one step, so of two gateways claiming one replica
         in the same instant, the second's read holds the first's request, whatever order
-        their changes reach each other's feeds in. The change is published as every write
-        is. None on a failed or late round trip: the write is then left to the coalesced
-        writer (the next change or the heartbeat), as any lost write is."""
-        value = encode(view, self._clock())
+        their changes reach each other's feeds in. Only that replica's fields of the
+        gateways this one knows to be live are read (a gateway unknown here is seen
+        within its first heartbeat): a read of the whole hash would cost gateways x
+        replicas fields a request, the cost the feed was built to avoid. The change is
+        published as every write is. None on a failed or late round trip: the write is
+        then left to the coalesced writer (the next change or the heartbeat), as any
+        lost write is."""
+        wall = self._clock()
+        value = encode(view, wall)
         # Written here: a coalesced write not yet sent would only write it again.
         self._dirty.pop(replica_id, None)
         # A write in flight may hold an older value of this field and land after this one
         # (another connection): then the newest is written once more after it.
         overtaken = self._flushing is not None and not self._flushing.done()
         field_name = self._field(replica_id)
+        names = [f"{g}/{replica_id}".encode() for g in sorted(self._live)
+                 if g != self.gateway_id]
         try:
             pipe = self._redis.pipeline(transaction=True)
             pipe.hset(self.key, field_name, value)
             pipe.publish(self.channel, _CHANGES.encode({field_name: value}))
-            pipe.hgetall(self.key)
-            _, _, raw = await within(pipe.execute(), timeout_s)
+            if names:
+                pipe.hmget(self.key, names)
+            answers = await within(pipe.execute(), timeout_s)
         except (RedisError, OSError, TimeoutError) as exc:
             self.write_failures += 1
             log.debug("shared work claim failed: %s", exc)
@@ -298,7 +307,10 @@ class SharedWork:
         if overtaken:
             self._dirty.setdefault(replica_id, value)
             self._schedule()
-        return self._take(cast(Mapping[bytes, bytes], raw), self._clock())
+        values = answers[2] if names else []
+        raw = {name: v for name, v in zip(names, values, strict=True) if v is not None}
+        peers = parse(raw, self.gateway_id, self._clock(), self.stale_s)[0]
+        return peers.get(replica_id, NO_PEER_WORK)
 
     async def flushed(self) -> None:
         """Wait until what has been published so far is written (or failed)."""
@@ -342,6 +354,7 @@ class SharedWork:
         if dead:
             self._dead = dead
         self.alone = not peers
+        self._live = live
         self.lane = (0, 1) if self.alone else lane_of(live, self.gateway_id)
         return peers
 

@@ -238,6 +238,7 @@ async def test_a_gateway_set_to_share_publishes_and_withdraws_its_work(
         redis_server: Any) -> None:
     # The whole app: with share_work it enters each replica it sends to in the shared
     # hash, and takes its fields away when it stops; without it, writes nothing there.
+    # With claim, it claims a replica once another gateway is live.
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
@@ -262,7 +263,7 @@ async def test_a_gateway_set_to_share_publishes_and_withdraws_its_work(
                 "listen": {"host": "127.0.0.1", "port": port},
                 "replicas": [{"url": f"http://127.0.0.1:{up_port}", "models": ["m"]}],
                 "index": {"backend": redis_server.url},
-                "policy": {"share_work": share},
+                "policy": {"share_work": share, "claim": share},
                 "tenants": {"allow_anonymous": True},
                 "health": {"interval_s": 60},
             }, {"CACHEROUTE_SALT_SECRET": "shared-work-test-secret-0123"})
@@ -287,6 +288,14 @@ async def test_a_gateway_set_to_share_publishes_and_withdraws_its_work(
                             text = await m.text()
                         return "cacheroute_shared_work_delay_seconds_count 1.0" in text
                     await wait_until_async(timed, 5.0, "the change timed", interval=0.02)
+                    # With another gateway live, the next request's replica is claimed
+                    # (the first one's was not: alone, nobody could take it unseen).
+                    async with session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                            json={"model": "m", "prompt": [4, 5]}) as resp:
+                        assert resp.status == 200, await resp.text()
+                    async with session.get(f"http://127.0.0.1:{port}/metrics") as m:
+                        text = await m.text()
+                    assert 'cacheroute_shared_work_claims_total{outcome="kept"} 1.0' in text
                     await other.close()
                 else:
                     assert fields == []
@@ -594,10 +603,13 @@ async def test_a_claim_writes_this_gateways_work_and_reads_everyones_at_once(
         b.publish("r0", WorkView(wait_s=2.0, pending=1, queued_s=2.0))
         await b.flushed()
         a.publish("r0", WorkView(pending=5))  # coalesced, not yet sent: the claim replaces it
+        await a.read(1.0)  # b is live: its field on the claimed replica is read
+        b.publish("r0", WorkView(wait_s=3.0, pending=2, queued_s=3.0))  # unseen by a
+        await b.flushed()
         mine = WorkView(wait_s=0.5, pending=1, queued_s=0.5)
-        peers = await a.claim("r0", mine, 1.0)
-        assert peers is not None and peers["r0"].pending == 1  # b's, read with the write
-        assert not a.alone
+        theirs = await a.claim("r0", mine, 1.0)
+        assert theirs is not None and theirs.pending == 2  # b's latest, read with the write
+        assert await a.claim("r1", mine, 1.0) == PeerWork()  # b has nothing there
         await a.flushed()
         assert await client.hget(a.key, b"a/r0") == encode(mine, 1000.0)
     finally:
