@@ -921,18 +921,28 @@ class RoutingPipeline:
         inside that gap from the same snapshot took one replica, and the second request
         queued behind the first's prefill (with 4 gateways on 8 sims, 21-32 requests a
         run came 300 ms or more after their prediction that way, 2026-12-07). The claim
-        writes this request's work and reads everyone's in one Redis transaction, so of
+        writes this request's work and reads the other live gateways' work on that
+        replica in one Redis transaction, so of
         two claims on one replica the later one's read holds the earlier one's request,
         whatever the feeds do. Where it shows more of other gateways' requests pending
         there than the decision saw, the reservation is ended and the request decided
         again on the read: it may stay (the replica is still the best) or move. Once
         only: a second claim could meet a third gateway, and each costs a round trip.
-        A failed or late claim (the index deadline) keeps the decision, as before."""
+        A failed or late claim (the index deadline) keeps the decision, as before. Off
+        by default: with Redis beside 8 sims on this 2-core machine the round trip cost
+        about what it saved (docs/POLICY.md)."""
         assert self.shared is not None
         rid = route.decision.replica_id
         chosen = next(r for r in replicas if r.replica_id == rid)
-        fresh = await self.shared.claim(rid, chosen.work.view(self.clock()),
-                                        self.index_deadline_s)
+        try:
+            fresh = await self.shared.claim(rid, chosen.work.view(self.clock()),
+                                            self.index_deadline_s)
+        except BaseException:
+            # Cancelled (the client went away): the caller never sees this route, so its
+            # reservation and pending chain end here.
+            route.release(self.clock())
+            route.drop_pending(self.pending)
+            raise
         if fresh is None:
             outcome = "failed"
         elif fresh.pending <= peers.get(rid, NO_PEER_WORK).pending:

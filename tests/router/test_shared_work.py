@@ -23,6 +23,7 @@ from router.config import LimitsConfig, TenantsConfig, build_config
 from router.hashing import HashConfig
 from router.index import MemoryIndex
 from router.outstanding import OutstandingWork, WorkView
+from router.pending import PendingChains
 from router.policy.pipeline import build_policy
 from router.policy.types import PolicyConfig
 from router.replicas import Replica, ReplicaSource
@@ -634,7 +635,7 @@ async def test_a_claim_redis_does_not_answer_is_written_later_and_decides_nothin
         await client.aclose()
 
 
-async def _collide(url: str, namespace: str, claim: bool) -> tuple[str, list[str], bytes]:
+async def _collide(url: str, namespace: str, claim: bool) -> tuple[str, list[str], Any]:
     """Gateways a and b share 2 idle replicas; a has just sent a request to r1 (b's lane)
     whose change is still on its way to b's feed (written to the hash, not published).
     b then routes a cold prompt: where it went, its claims' outcomes, and b's field on r1
@@ -705,4 +706,43 @@ async def test_a_claim_that_finds_nothing_new_keeps_the_decision(redis_server: A
                             cache_salt=None, reserve=True)
         assert outcomes == ["kept"]
     finally:
+        await client.aclose()
+
+
+async def test_a_request_cancelled_during_its_claim_leaves_no_work_reserved(
+        redis_server: Any) -> None:
+    client = Redis.from_url(redis_server.url)
+    a = SharedWork(client, namespace="cancel", gateway_id="a", heartbeat_s=30.0)
+    b = SharedWork(client, namespace="cancel", gateway_id="b", heartbeat_s=30.0)
+    fleet = _replicas(2)
+    job = asyncio.create_task(b.follow(retry_s=0.05))
+    try:
+        await a.beat({"r0": WorkView(), "r1": WorkView()})
+        await a.flushed()
+        await _following(b, lambda p: "r1" in p, "a's idle replicas")
+        gateway = RoutingPipeline(
+            tokenizers={}, chains=ChainCache(), index=MemoryIndex(),
+            policy=build_policy(PolicyConfig(seed=1, claim=True)), index_deadline_s=5.0,
+            shared=b, pending=PendingChains(ttl_s=10.0))
+
+        def reserved() -> int:
+            return sum(r.work.view(time.monotonic()).pending for r in fleet)
+
+        redis_server.proc.send_signal(signal.SIGSTOP)  # the claim waits for its answer
+        try:
+            routing = asyncio.create_task(gateway.route(
+                _body([11] * 2048), fleet, time.monotonic(), tenant="t", cache_salt=None,
+                reserve=True))
+            await wait_until_async(_async(lambda: reserved() == 1), 5.0,
+                                   "the decision's reservation", interval=0.01)
+            routing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await routing
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        assert reserved() == 0
+        assert gateway.pending is not None and len(gateway.pending) == 0
+    finally:
+        job.cancel()
+        await asyncio.gather(job, return_exceptions=True)
         await client.aclose()
