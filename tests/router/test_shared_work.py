@@ -635,6 +635,19 @@ async def test_a_claim_redis_does_not_answer_is_written_later_and_decides_nothin
         await client.aclose()
 
 
+def _claiming(shared: SharedWork, claim: bool, deadline_s: float = 1.0,
+              pending: PendingChains | None = None) -> tuple[RoutingPipeline, list[str]]:
+    """A pipeline sharing work through `shared`, with policy.claim as given, and the list
+    its claims' outcomes go to."""
+    gateway = RoutingPipeline(
+        tokenizers={}, chains=ChainCache(), index=MemoryIndex(),
+        policy=build_policy(PolicyConfig(seed=1, claim=claim)), index_deadline_s=deadline_s,
+        shared=shared, pending=pending)
+    outcomes: list[str] = []
+    gateway.claim_listeners.append(outcomes.append)
+    return gateway, outcomes
+
+
 async def _collide(url: str, namespace: str, claim: bool) -> tuple[str, list[str], Any]:
     """Gateways a and b share 2 idle replicas; a has just sent a request to r1 (b's lane)
     whose change is still on its way to b's feed (written to the hash, not published).
@@ -654,12 +667,7 @@ async def _collide(url: str, namespace: str, claim: bool) -> tuple[str, list[str
         assert b.lane == (1, 2)  # r1 first for b's near-ties
         unseen = encode(WorkView(wait_s=2.0, pending=1, queued_s=2.0), time.time())
         await client.hset(a.key, b"a/r1", unseen)  # no change published: b cannot see it
-        gateway = RoutingPipeline(
-            tokenizers={}, chains=ChainCache(), index=MemoryIndex(),
-            policy=build_policy(PolicyConfig(seed=1, claim=claim)), index_deadline_s=1.0,
-            shared=b)
-        outcomes: list[str] = []
-        gateway.claim_listeners.append(outcomes.append)
+        gateway, outcomes = _claiming(b, claim)
         route = await gateway.route(_body([7] * 2048), fleet, time.monotonic(), tenant="t",
                                     cache_salt=None, reserve=True)
         await b.flushed()
@@ -688,12 +696,7 @@ async def test_a_claim_that_finds_nothing_new_keeps_the_decision(redis_server: A
         await a.beat({"r0": WorkView(), "r1": WorkView()})
         await a.flushed()
         await b.read(1.0)  # not following: routing reads per request (sees a, idle)
-        gateway = RoutingPipeline(
-            tokenizers={}, chains=ChainCache(), index=MemoryIndex(),
-            policy=build_policy(PolicyConfig(seed=1, claim=True)), index_deadline_s=1.0,
-            shared=b)
-        outcomes: list[str] = []
-        gateway.claim_listeners.append(outcomes.append)
+        gateway, outcomes = _claiming(b, True)
         route = await gateway.route(_body([8] * 2048), fleet, time.monotonic(), tenant="t",
                                     cache_salt=None, reserve=True)
         assert outcomes == ["kept"]
@@ -720,10 +723,7 @@ async def test_a_request_cancelled_during_its_claim_leaves_no_work_reserved(
         await a.beat({"r0": WorkView(), "r1": WorkView()})
         await a.flushed()
         await _following(b, lambda p: "r1" in p, "a's idle replicas")
-        gateway = RoutingPipeline(
-            tokenizers={}, chains=ChainCache(), index=MemoryIndex(),
-            policy=build_policy(PolicyConfig(seed=1, claim=True)), index_deadline_s=5.0,
-            shared=b, pending=PendingChains(ttl_s=10.0))
+        gateway, _ = _claiming(b, True, deadline_s=5.0, pending=PendingChains(ttl_s=10.0))
 
         def reserved() -> int:
             return sum(r.work.view(time.monotonic()).pending for r in fleet)
