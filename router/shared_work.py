@@ -28,7 +28,8 @@ gateway rewrites all of its fields every `heartbeat_s`, deletes them when it sto
 deletes other gateways' fields that have been stale for `forget_s`. Writes are
 fire-and-forget and coalesced (the latest value per replica, one write in flight), so a
 burst costs a few round trips, not one per request; a lost write is repaired by the next
-change or the heartbeat.
+change or the heartbeat. A gateway alone writes on the heartbeat only, and at once when
+another appears (`publish` says why).
 
 The feed carries each gateway's own heartbeat back to it, so a feed silent for three
 heartbeats is broken (a half-open connection raises nothing): the copy is dropped and
@@ -239,12 +240,21 @@ class SharedWork:
         return f"{self.gateway_id}/{replica_id}".encode()
 
     def publish(self, replica_id: str, view: WorkView) -> None:
-        """Share this gateway's work on one replica (now, in the background)."""
+        """Share this gateway's work on one replica (now, in the background).
+
+        Alone (the last read or the followed copy showed no other live gateway), the
+        change waits for the heartbeat, or for another gateway to appear (`_take`,
+        `_apply`): nobody reads it, and each write is a round trip and a message back on
+        the feed for every routed request, on the loop that routes and on the Redis the
+        indexer writes to. A gateway that joins sees this one's work as of its last
+        heartbeat until this one sees it, at its first change on the feed or the next
+        read."""
         self._dirty[replica_id] = encode(view, self._clock())
-        self._schedule()
+        if not self.alone:
+            self._schedule()
 
     def _schedule(self) -> None:
-        if self._flushing is None or self._flushing.done():
+        if self._dirty and (self._flushing is None or self._flushing.done()):
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
 
     async def _flush(self) -> None:
@@ -353,7 +363,9 @@ class SharedWork:
         peers, dead, live = parse(raw, self.gateway_id, wall, self.stale_s, self.forget_s)
         if dead:
             self._dead = dead
-        self.alone = not peers
+        was_alone, self.alone = self.alone, not peers
+        if was_alone and not self.alone:
+            self._schedule()  # what changed while alone: the newcomer reads it now
         self._live = live
         self.lane = (0, 1) if self.alone else lane_of(live, self.gateway_id)
         return peers
@@ -432,6 +444,10 @@ class SharedWork:
                 self._copy.pop(name, None)
                 continue
             self._copy[name] = value
+            if self.alone and not name.startswith(own):
+                # Another gateway wrote: this one's changes since its heartbeat go now,
+                # before a request here has read the copy again and seen it.
+                self._schedule()
             if self.delay_listeners and not name.startswith(own):
                 written = _written_at(value)
                 if written is not None:
@@ -450,6 +466,7 @@ class SharedWork:
         """One heartbeat: republish every replica's work, delete long-dead fields."""
         for replica_id, view in views.items():
             self.publish(replica_id, view)
+        self._schedule()  # alone too: the fields must stay live for a gateway that joins
         dead, self._dead = self._dead, []
         if dead:
             try:

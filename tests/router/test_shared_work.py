@@ -163,11 +163,14 @@ async def test_gateways_see_each_others_work_until_it_ends(redis_server: Any) ->
     replica.work.listeners.append(lambda now: a.publish(replica.replica_id, replica.work.view(now)))
     try:
         assert await b.read(1.0) == {}
+        await b.beat({"r0": WorkView()})  # live, as its heartbeat shows it from the start
+        await b.flushed()
         token = replica.work.begin(time.monotonic(), 0.4, 0.4, stream=True)
         await a.flushed()
         seen = (await b.read(1.0))["r0"]
         assert (seen.pending, seen.decoding) == (1, 0) and 0.3 < seen.wait_s <= 0.4
-        assert await a.read(1.0) == {}  # a gateway does not count its own work twice
+        own = (await a.read(1.0))["r0"]  # b's idle field only: a's own work not twice
+        assert (own.wait_s, own.pending, own.decoding) == (0.0, 0, 0) and not a.alone
         replica.work.first_byte(token, time.monotonic())
         await a.flushed()
         seen = (await b.read(1.0))["r0"]
@@ -177,7 +180,7 @@ async def test_gateways_see_each_others_work_until_it_ends(redis_server: Any) ->
         seen = (await b.read(1.0))["r0"]
         assert (seen.wait_s, seen.pending, seen.decoding, seen.queued_s) == (0.0, 0, 0, 0.0)
         await a.close()  # a gateway that stops takes its fields with it
-        assert await client_b.hgetall(b.key) == {}
+        assert set(await client_b.hgetall(b.key)) == {b"b/r0"}
     finally:
         await client_a.aclose()
         await client_b.aclose()
@@ -217,6 +220,9 @@ async def test_a_second_gateway_avoids_the_replica_another_just_loaded(redis_ser
         r.work.listeners.append(lambda now, r=r: shared_a.publish(r.replica_id, r.work.view(now)))
     gateway_a = _pipeline(shared_a)
     try:
+        # B is live (its heartbeat from its start): A is not alone, so it writes at once.
+        await shared_b.beat({r.replica_id: WorkView() for r in fleet_b})
+        await shared_b.flushed()
         first = await gateway_a.route(_body([1] * 2048), fleet_a, time.monotonic(),
                                       tenant="t", cache_salt=None, reserve=True)
         await shared_a.flushed()
@@ -351,6 +357,71 @@ async def test_a_gateway_alone_skips_reads_for_a_heartbeat_and_sees_one_that_joi
         assert (await alone.read(1.0))["r0"].pending == 2
         assert alone.read_due()
     finally:
+        await client.aclose()
+
+
+async def test_a_gateway_alone_writes_on_its_heartbeat_and_at_once_when_another_appears(
+        redis_server: Any) -> None:
+    # Alone, a change per routed request would be a round trip nobody reads: it waits for
+    # the heartbeat, or for the first sign of another gateway (here a read finding one).
+    client = Redis.from_url(redis_server.url)
+    clock = [1000.0]
+    a = SharedWork(client, gateway_id="a", clock=lambda: clock[0], heartbeat_s=1.0)
+    b = SharedWork(client, gateway_id="b", clock=lambda: clock[0])
+
+    async def written() -> int:
+        value = await client.hget(a.key, b"a/r0")
+        return int(value.split()[1]) if value else -1  # its pending count
+
+    try:
+        a.publish("r0", WorkView(pending=1))
+        await a.flushed()
+        assert await written() == 1  # not known to be alone yet: written at once
+        assert await a.read(1.0) == {} and a.alone
+        a.publish("r0", WorkView(pending=2))
+        await a.flushed()
+        assert await written() == 1  # alone: held back
+        await a.beat({"r0": WorkView(pending=3)})
+        await a.flushed()
+        assert await written() == 3  # the heartbeat writes alone too
+        a.publish("r0", WorkView(pending=4))
+        b.publish("r0", WorkView(pending=1))
+        await b.flushed()
+        clock[0] += 1.1  # the next read is due
+        assert (await a.read(1.0))["r0"].pending == 1 and not a.alone
+        await a.flushed()
+        assert await written() == 4  # the change made while alone, for the newcomer
+        a.publish("r0", WorkView(pending=5))
+        await a.flushed()
+        assert await written() == 5  # not alone: every change at once
+    finally:
+        await client.aclose()
+
+
+async def test_a_follower_alone_writes_what_it_held_back_once_another_gateway_writes(
+        redis_server: Any) -> None:
+    client = Redis.from_url(redis_server.url)
+    a = SharedWork(client, gateway_id="a", heartbeat_s=30.0)  # no heartbeat runs here
+    b = SharedWork(client, gateway_id="b")
+    job = asyncio.create_task(a.follow(retry_s=0.05))
+    try:
+        await _following(a, lambda p: p == {}, "the seed read")
+        assert a.alone
+        a.publish("r0", WorkView(pending=2))
+        await a.flushed()
+        assert await client.hget(a.key, b"a/r0") is None  # alone: held back
+        b.publish("r1", WorkView(pending=1))
+        await b.flushed()
+
+        async def seen() -> bool:
+            value = await client.hget(a.key, b"a/r0")
+            return value is not None and value.split()[1] == b"2"
+        # Written when b's change reaches a's feed, before any request here reads it.
+        await wait_until_async(seen, 5.0, "a's held-back change", interval=0.01)
+    finally:
+        job.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await job
         await client.aclose()
 
 
