@@ -45,7 +45,10 @@ replica costs next to nothing and what the routers add is what shows.
 
 --workers N adds a second gateway as production runs it: N worker processes
 (listen.workers) on a private redis-server index fed by an indexer process; it takes
-part in 2 and 3 like every other target (the in-process profile is the memory index's).
+part in 2 and 3 like every other target (the in-process profile is the memory index's),
+and in 4 with its Redis's CPU counted as its own. With --baseline-repo as well, the
+baseline runs such a gateway too, on a redis-server of its own (on one Redis the two
+would share their work as two gateways do, and neither would be alone).
 --gateway-set SECTION.KEY=VALUE adds a gateway with one setting changed (e.g.
 listen.event_loop=uvloop), --baseline-repo DIR one run from another checkout (a git
 worktree of an earlier commit): before/after and setting comparisons interleaved in one
@@ -343,6 +346,7 @@ class Router:
     url: str
     proc: subprocess.Popen[bytes] | None = None
     helpers: list[subprocess.Popen[bytes]] = field(default_factory=list)  # its indexer
+    counted: list[int] = field(default_factory=list)  # not its own, its CPU counted: Redis
 
 
 def start_process(cmd: list[str], ready_url: str, log_path: Path,
@@ -599,7 +603,7 @@ def saturation(routers: list[Router], targets: list[tuple[str, str]], rounds: in
         for name, url in targets[shift:] + targets[:shift]:
             r = procs.get(name)
             pids = [] if r is None or r.proc is None else \
-                [r.proc.pid, *children(r.proc.pid), *(h.pid for h in r.helpers)]
+                [r.proc.pid, *children(r.proc.pid), *(h.pid for h in r.helpers), *r.counted]
             gc_before = gc_pauses(url) if r is not None else {}
             before = sum(cpu_seconds(pid) for pid in pids)
             answered, elapsed = asyncio.run(throughput(url, seconds, concurrency))
@@ -663,7 +667,7 @@ def cpu_per_request(routers: list[Router], rounds: int, requests: int, concurren
         for r in routers[shift:] + routers[:shift]:
             if r.proc is None:
                 continue
-            pids = [r.proc.pid, *children(r.proc.pid), *(h.pid for h in r.helpers)]
+            pids = [r.proc.pid, *children(r.proc.pid), *(h.pid for h in r.helpers), *r.counted]
             asyncio.run(streamed_burst(r.url, concurrency, concurrency, size, -1 - round_, extra,
                                        cold))
             before = sum(cpu_seconds(pid) for pid in pids)
@@ -742,7 +746,11 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack, SimFleet(args.replicas, block_size=BLOCK_SIZE, num_blocks=longest * 8 // BLOCK_SIZE,
                   prefill_profile="instant", served_model_name=MODEL, model_dir=model_dir,
                   extra_args=["--max-model-len", str(MAX_MODEL_LEN)]) as fleet:
+        # One private redis-server per Redis gateway: two on one would see each other's
+        # shared work (neither alone), and each one's CPU is its gateway's (section 4).
         redis = stack.enter_context(redis_server(tmp / "redis.log")) if args.workers else None
+        redis_base = stack.enter_context(redis_server(tmp / "redis-baseline.log")) \
+            if args.workers and args.baseline_repo is not None else None
         try:
             routers.append(start_cacheroute(fleet, tmp, model_dir, args.gateway_repo))
             for setting in args.gateway_set:
@@ -751,9 +759,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.baseline_repo is not None:
                 routers.append(start_cacheroute(fleet, tmp, model_dir, args.baseline_repo,
                                                 name="cacheroute baseline"))
-            if redis is not None:
-                routers.append(start_cacheroute(fleet, tmp, model_dir, args.gateway_repo,
-                                                redis.url, args.workers))
+            for server, repo, label in ((redis, args.gateway_repo, None),
+                                        (redis_base, args.baseline_repo, "baseline ")):
+                if server is None or repo is None:
+                    continue
+                gateway = start_cacheroute(
+                    fleet, tmp, model_dir, repo, server.url, args.workers,
+                    name=f"cacheroute {label or ''}redis {args.workers}w")
+                assert server.proc is not None
+                gateway.counted.append(server.proc.pid)
+                routers.append(gateway)
             for policy in () if args.no_peers else ("cache_aware", "kv_aware"):
                 r = start_vllm_router(fleet, tmp, policy)
                 if r is not None:
@@ -791,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
                 sent = max(1, args.cpu_requests // 8) * 8
                 cpu = cpu_per_request(routers, args.rounds, args.cpu_requests, 8, 4096, extra)
                 print(f"\n4) CPU per routed request (ms; user + system time of the router's "
-                      f"processes, its indexer included, over {sent} streamed "
+                      f"processes, its indexer and Redis included, over {sent} streamed "
                       f"requests: 8 conversations at a time, token ids from 4k growing 256 a "
                       f"turn, 16 tokens out); median over rounds [min..max]")
                 for name, values in cpu.items():
