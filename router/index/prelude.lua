@@ -4,6 +4,8 @@
 -- Lua 5.1 prints large numbers in %.14g, which would turn a ms timestamp into "1.7e+12";
 -- every number written to Redis goes through fmt().
 local function fmt(n) return string.format('%.0f', n) end
+-- Arguments per batched ZADD / ZREM: well under what Lua 5.1's unpack can pass (~8,000).
+local ARGS_PER_CALL = 2000
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)

@@ -24,15 +24,31 @@ local n = #KEYS - 2
 local r_existed = redis.call('EXISTS', rk)
 local c_existed = redis.call('EXISTS', ck)
 local base = redis.call('INCRBY', ck, n)
+local entry = fmt(exp)
 -- Tail first and block 0 last, with the highest score: trimming takes tails first, and a
--- key repeated within the chain ends up where its first occurrence puts it.
+-- key repeated within the chain ends up where its first occurrence puts it (ZADD applies
+-- its pairs in order). The reverse index takes them in a few ZADDs, not one per block:
+-- each redis.call costs as much as the work of a small one (bench_index_writes.py).
+local scored = {}
 for i = #KEYS, 3, -1 do
   local bk = KEYS[i]
-  local existed = redis.call('EXISTS', bk)
-  redis.call('HSET', bk, replica, fmt(exp))
-  set_expiry(bk, existed, exp)
-  redis.call('ZADD', rk, fmt(base - (i - 3)), string.sub(bk, plen + 1))
+  if exp == 0 then
+    -- Never expiring: whether the key existed does not matter (set_expiry persists it).
+    redis.call('HSET', bk, replica, entry)
+    redis.call('PERSIST', bk)
+  else
+    local existed = redis.call('EXISTS', bk)
+    redis.call('HSET', bk, replica, entry)
+    set_expiry(bk, existed, exp)
+  end
+  scored[#scored + 1] = fmt(base - (i - 3))
+  scored[#scored + 1] = string.sub(bk, plen + 1)
+  if #scored >= ARGS_PER_CALL then
+    redis.call('ZADD', rk, unpack(scored))
+    scored = {}
+  end
 end
+if #scored > 0 then redis.call('ZADD', rk, unpack(scored)) end
 set_expiry(rk, r_existed, exp)
 set_expiry(ck, c_existed, exp)
 if cap > 0 then

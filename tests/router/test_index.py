@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 from servers import RedisServer, free_port
@@ -226,6 +229,32 @@ async def test_redis_holds_no_keys_once_entries_are_gone(redis_server: RedisServ
         await index.close()
 
 
+async def test_redis_writes_and_removes_chains_longer_than_one_scripted_call(
+    redis_server: RedisServer,
+) -> None:
+    # The scripts add to and remove from the replica's reverse index in batched calls of
+    # at most 2,000 arguments: a chain past that is split, and must come out whole and in
+    # order (block 0 scored highest, tails lowest, which capacity trimming relies on).
+    index = RedisIndex.from_url(redis_server.url)
+    chain = list(range(1, 4501))  # 9,000 ZADD arguments
+    try:
+        await index.add(MODEL, "r1", chain)
+        assert await index.lookup(MODEL, chain) == {"r1": 4500}
+        reverse = [k for k in await index.client.keys("*")
+                   if await index.client.type(k) == b"zset"]
+        assert len(reverse) == 1
+        ranked = await index.client.zrange(reverse[0], 0, -1)  # lowest score first
+        assert ranked == [index.block_key(MODEL, k)[len(index.block_prefix(MODEL)):]
+                          for k in reversed(chain)]
+        await index.remove(MODEL, "r1", chain[1000:])  # 3,500 members to ZREM
+        assert await index.lookup(MODEL, chain) == {"r1": 1000}
+        assert await index.client.zcard(reverse[0]) == 1000
+        await index.remove(MODEL, "r1", chain[:1000])
+        assert await index.client.keys("*") == [b"cr:rm:r1"]
+    finally:
+        await index.close()
+
+
 async def test_a_block_key_outlives_no_entry_once_its_permanent_holder_leaves(
     redis_server: RedisServer,
 ) -> None:
@@ -416,3 +445,16 @@ async def test_memory_index_applies_a_long_batch_in_slices_as_one_put_would() ->
     assert await sliced.lookup(MODEL, list(chain)) == await whole.lookup(MODEL, list(chain))
     # The neighbour ran while the batch was half written.
     assert any(0 < n < cap for n in ran_between)
+
+
+def test_the_write_benchmark_runs_against_a_baseline_and_names_a_bad_value() -> None:
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_index_writes.py"
+    repo = bench.parents[1]
+    done = subprocess.run([sys.executable, str(bench), "--blocks", "8", "--held", "16",
+                           "--batches", "2", "--rounds", "2", "--baseline-repo", str(repo)],
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert "2 batches of 8 blocks stored then as many removed" in done.stdout
+    assert "this checkout / baseline, both, per round: median x" in done.stdout
+    bad = subprocess.run([sys.executable, str(bench), "--held", "4", "--blocks", "8"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--held must be at least --blocks (8), got 4" in bad.stderr
