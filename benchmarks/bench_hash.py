@@ -93,7 +93,8 @@ def _per_block_wrapper(config: HashConfig, ids: list[int]) -> list[bytes]:
 def _interleaved_best(a: Callable[[], Any], b: Callable[[], Any], repeats: int,
                       ) -> tuple[float, float]:
     """Best times of a and b, run alternately (this machine's speed drifts)."""
-    times_a, times_b = [], []
+    times_a: list[float] = []
+    times_b: list[float] = []
     for _ in range(repeats):
         for fn, times in ((a, times_a), (b, times_b)):
             start = time.perf_counter()
@@ -116,7 +117,8 @@ def _python_only(fn: Callable[[], Any]) -> Callable[[], Any]:
 def _interleaved_medians(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> str:
     """a against b, run alternately: each one's median and range, and the ratio of the
     medians (a shared machine's speed drifts; one pair can move several times over)."""
-    times_a, times_b = [], []
+    times_a: list[float] = []
+    times_b: list[float] = []
     for _ in range(repeats):
         for fn, times in ((a, times_a), (b, times_b)):
             start = time.perf_counter()
@@ -127,7 +129,7 @@ def _interleaved_medians(a: Callable[[], Any], b: Callable[[], Any], repeats: in
             f"[{min(times_b):.3f}-{max(times_b):.3f}]: x{ma / mb:.2f}")
 
 
-def _check_and_pack(ids: list[int]) -> bytes:
+def _check_and_pack(ids: list[Any]) -> bytes | memoryview:
     """The gateway's check of a token-id prompt, then the chain cache's pack of it."""
     if not native.checked_ids(ids):
         msgspec.convert(ids, _TokenIds)

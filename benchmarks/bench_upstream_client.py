@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 import subprocess
@@ -239,7 +240,7 @@ def main() -> int:
             targets[f"proxy with {'aiohttp ClientSession' if client == 'aiohttp' else 'UpstreamPool'}"] = \
                 f"http://127.0.0.1:{proxy_port}"
         for url in targets.values():
-            wait_until(lambda url=url: _answers(url), 30, f"{url} to answer")
+            wait_until(functools.partial(_answers, url), 30, f"{url} to answer")
         asyncio.run(clients_alone(upstream, args.rounds, args.requests))
         asyncio.run(through_proxies(targets, args.rounds, args.requests))
     finally:
