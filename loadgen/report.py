@@ -24,7 +24,7 @@ import numpy as np
 from loadgen.driver import RequestRecord, RunResult, server_timing_stages
 from loadgen.floor import TtftFloor
 from loadgen.oracle import OracleBounds
-from loadgen.rounds import aggregate, ratios_against_peers
+from loadgen.rounds import PROMPT_SIZES, aggregate, ratios_against_peers, size_figure
 
 OURS = "cache_aware"
 # Percentiles of measured - predicted TTFT the report gives (summarize, prediction_lines).
@@ -170,6 +170,11 @@ def summarize(run: PolicyRun, time_scale: float = 1.0) -> dict[str, Any]:
     for q in PREDICTION_QUANTILES:
         row[f"ttft_error_p{q}_s"] = _pct(errors, q)
     row["ttft_predicted_requests"] = len(errors)
+    for label, low, high in PROMPT_SIZES:
+        sized = [r.ttft_s * time_scale for r in done if r.ttft_s is not None
+                 and r.prompt_len >= low and (high is None or r.prompt_len < high)]
+        row[size_figure(label)] = _pct(sized, 50)
+        row[f"requests_size_{label}"] = len(sized)
     if run.oracle is not None:
         row.update({f"oracle_{k}": v for k, v in run.oracle.as_dict().items()})
     return row
@@ -262,6 +267,26 @@ def prediction_lines(aggregated: Sequence[dict[str, Any]]) -> list[str]:
                       "policy saw the queues it decided on (above 0: later than predicted; "
                       "measured from the client's send, predicted from the decision, so time "
                       "held before it counts as late)")
+    return out
+
+
+def size_lines(aggregated: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]
+               ) -> list[str]:
+    """A table of each policy's TTFT p50 per prompt size (median and range over rounds),
+    with the requests per round in each; none where the prompts fill fewer than two."""
+    counts = {label: max((row.get(f"requests_size_{label}") or 0 for row in rows), default=0)
+              for label, _, _ in PROMPT_SIZES}
+    labels = [label for label, _, _ in PROMPT_SIZES if counts[label]]
+    if len(labels) < 2:
+        return []
+    out = ["- TTFT p50 ms by prompt size (tokens sent; median (min-max) over rounds): where a "
+           "router loses on every request, short prompts show it; where it queues badly, "
+           "long ones", "",
+           "| policy | " + " | ".join(f"{label} ({counts[label]})" for label in labels) + " |",
+           "| --- |" + " --- |" * len(labels)]
+    for entry in aggregated:
+        out.append(f"| {entry['policy']} | " + " | ".join(
+            _cell(entry.get(size_figure(label)), _ms) for label in labels) + " |")
     return out
 
 
@@ -464,6 +489,9 @@ def write_report(out: Path, runs: Sequence[PolicyRun], meta: dict[str, Any],
     outside = outside_lines(aggregated)
     if outside:
         lines += [*outside, ""]
+    sizes = size_lines(aggregated, rows)
+    if sizes:
+        lines += [*sizes, ""]
     predicted = prediction_lines(aggregated)
     if predicted:
         lines += [*predicted, ""]

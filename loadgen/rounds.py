@@ -13,12 +13,25 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+# Prompt sizes (tokens the client sent: [low, high)) whose TTFT is reported apart: a
+# router that loses milliseconds on every request shows on short prompts, one that
+# queues badly on long ones; a window's p50 alone hides which.
+PROMPT_SIZES: tuple[tuple[str, int, int | None], ...] = (
+    ("<512", 0, 512), ("512-2k", 512, 2048), ("2k-8k", 2048, 8192),
+    ("8k-16k", 8192, 16384), (">=16k", 16384, None))
+
+
+def size_figure(label: str) -> str:
+    """summarize()'s name for the TTFT p50 of one PROMPT_SIZES bin."""
+    return f"ttft_p50_size_{label}_s"
+
+
 # Figures that get a median and a spread, as summarize() names them.
 FIGURES = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "ttft_outside_mean_s",
            "before_upstream_mean_s", "held_mean_s",
            "ttft_error_p10_s", "ttft_error_p50_s", "ttft_error_p90_s",
            "e2e_p50_s", "e2e_p99_s", "throughput_rps", "hit_rate", "imbalance_max_over_mean",
-           "errors")
+           "errors", *(size_figure(label) for label, _, _ in PROMPT_SIZES))
 # Figures ours is held against the best peer policy, and which way is better.
 RATIO_FIGURES = {"ttft_p50_s": "lower", "ttft_p99_s": "lower", "hit_rate": "higher"}
 

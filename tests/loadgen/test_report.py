@@ -18,6 +18,7 @@ from loadgen.report import (
     markdown_table,
     outside_lines,
     prediction_lines,
+    size_lines,
     summarize,
     write_report,
 )
@@ -237,3 +238,25 @@ def test_the_floor_plus_the_least_hop_is_what_no_queue_could_reach() -> None:
     # No peer in the run, or no outside figure anywhere: nothing to say.
     assert floor_reach(floor, aggregated[:1]) is None
     assert floor_reach(floor, [{**a, "ttft_outside_mean_s": None} for a in aggregated]) is None
+
+
+def test_ttft_by_prompt_size_over_rounds() -> None:
+    # Short and long prompts apart: a window's p50 alone hides which of them a router
+    # loses on. Requests per round are the most any round had in a bin.
+    def run(prompts_and_ttfts: list[tuple[int, float]]) -> RunResult:
+        records = [_rec(i, "r0", float(i), ttft, ttft + 0.1, prompt, 0)
+                   for i, (prompt, ttft) in enumerate(prompts_and_ttfts)]
+        return RunResult(records=records, wall_s=10.0, started_unix=0.0)
+
+    rows = [summarize(PolicyRun("cache_aware", run(pairs), ["r0"], round=i))
+            for i, pairs in enumerate([[(100, 0.010), (511, 0.030), (5000, 0.400)],
+                                       [(100, 0.020), (200, 0.040), (8192, 0.300)]])]
+    assert rows[0]["ttft_p50_size_<512_s"] == pytest.approx(0.020)
+    assert rows[1]["ttft_p50_size_<512_s"] == pytest.approx(0.030)
+    assert rows[0]["ttft_p50_size_512-2k_s"] is None and rows[0]["requests_size_512-2k"] == 0
+    lines = size_lines(aggregate(rows), rows)
+    assert lines[2] == "| policy | <512 (2) | 2k-8k (1) | 8k-16k (1) |"
+    assert lines[4] == "| cache_aware | 25.0 (20.0-30.0) | 400.0 (400.0-400.0) | 300.0 (300.0-300.0) |"
+    # One size only (an agent workload's turns, say): no table.
+    one = [summarize(PolicyRun("x", run([(100, 0.01), (300, 0.02)]), ["r0"]))]
+    assert size_lines(aggregate(one), one) == []
