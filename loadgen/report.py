@@ -89,13 +89,15 @@ def before_upstream_s(server_timing: str | None) -> float | None:
     return sum(durations[stage] for stage in _BEFORE_UPSTREAM)
 
 
-def held_s(server_timing: str | None) -> float | None:
-    """Seconds our gateway held a request before deciding it (Server-Timing's hold:
-    router/prefill_hold.py), or None without that stage."""
+def held_s(server_timing: str | None, stage: str = "hold") -> float | None:
+    """Seconds our gateway held a request: before deciding it (Server-Timing's hold,
+    router/prefill_hold.py), or with `stage` "gate" after it, for the queue ahead on its
+    replica (policy.step_gate); None without that stage. Records made before the gate had
+    a stage of its own counted it in hold, and give None for it."""
     if not server_timing:
         return None
     try:
-        return server_timing_stages(server_timing).get("hold")
+        return server_timing_stages(server_timing).get(stage)
     except ValueError:
         return None
 
@@ -156,6 +158,10 @@ def summarize(run: PolicyRun, time_scale: float = 1.0) -> dict[str, Any]:
     held = [t * time_scale for r in done if (t := held_s(r.server_timing)) is not None]
     row["held_mean_s"] = float(np.mean(held)) if held and len(held) == len(done) else None
     row["held_requests"] = sum(1 for t in held if t > 0)
+    # And after its decision, for the queue ahead on its replica (policy.step_gate).
+    gated = [t * time_scale for r in done if (t := held_s(r.server_timing, "gate")) is not None]
+    row["gated_mean_s"] = float(np.mean(gated)) if gated and len(gated) == len(done) else None
+    row["gated_requests"] = sum(1 for t in gated if t > 0)
     row["replica_ttft_mean_s"] = row["ttft_outside_mean_s"] = None
     if run.replica_ttft is not None and run.replica_ttft[0] == len(ttft) and ttft:
         at_replicas = run.replica_ttft[1] / run.replica_ttft[0] * time_scale
@@ -307,10 +313,14 @@ def outside_lines(aggregated: Sequence[dict[str, Any]]) -> list[str]:
                 "of it in the gateway before going upstream")
             held = a.get("held_mean_s")
             if held and held["max"] > 0:
-                own += (f"; held there (for a replica's queue to fall under a step, or "
-                        f"with step_gate for its queue ahead to reach a first token) "
-                        f"{_ms(held['median'])} ms a request ({_ms(held['min'])}-"
+                own += (f"; held there for a replica's queue to fall under a step "
+                        f"(hold_cap) {_ms(held['median'])} ms a request ({_ms(held['min'])}-"
                         f"{_ms(held['max'])})")
+            gated = a.get("gated_mean_s")
+            if gated and gated["max"] > 0:
+                own += (f"; gated there for its queue ahead to reach a first token "
+                        f"(step_gate) {_ms(gated['median'])} ms a request "
+                        f"({_ms(gated['min'])}-{_ms(gated['max'])})")
             out.append(f"  - {a['policy']}: {_ms(outside['median'])} ms "
                        f"({_ms(outside['min'])}-{_ms(outside['max'])}) of a "
                        f"{_ms(mean['median'])} ms mean{own}")

@@ -81,19 +81,23 @@ class Stages:
     parsed: float = 0.0
     routed: float = 0.0
     forwarded: float = 0.0
-    held_s: float = 0.0  # of parse -> routed, held before the decision (prefill_hold.py)
-    # and after it for the queue ahead (policy.step_gate)
+    # Of parse -> routed: held before the decision (prefill_hold.py), and after it for
+    # the queue ahead on its replica (policy.step_gate).
+    held_s: float = 0.0
+    gated_s: float = 0.0
 
     def server_timing(self, now: float) -> str:
         """parse: the body read and checked; route: tokenized, keyed, looked up and
-        decided; hold: held for a replica's prefill queue to fall under a step, or for
-        the queue ahead on its replica to reach its first tokens (policy.step_gate); not
-        part of route; admit: admission and the upstream request built; upstream: from
-        forwarding until the answer's head can go out (streamed: the replica's head with
+        decided; hold: held for a replica's prefill queue to fall under a step
+        (policy.hold_cap); gate: after the decision, waited for the queue ahead on its
+        replica to reach its first tokens (policy.step_gate); neither is part of route;
+        admit: admission and the upstream request built; upstream: from forwarding until
+        the answer's head can go out (streamed: the replica's head with
         proxy.early_head, else its first token; not streamed: the whole body), failovers
         before it included."""
         marks = (("parse", self.parsed - self.arrived),
-                 ("route", self.routed - self.parsed - self.held_s), ("hold", self.held_s),
+                 ("route", self.routed - self.parsed - self.held_s - self.gated_s),
+                 ("hold", self.held_s), ("gate", self.gated_s),
                  ("admit", self.forwarded - self.routed), ("upstream", now - self.forwarded))
         return ", ".join(f"{name};dur={max(0.0, dur) * 1000:.2f}" for name, dur in marks)
 
@@ -151,10 +155,10 @@ async def _route_and_forward(gw: Gateway, request: AnyRequest, raw: bytes, tenan
     except NoReplicasError:
         return json_error(503, "no replica serves this model", "service_unavailable")
     try:
-        # Behind this gateway's queue on its replica (policy.step_gate): part of the hold.
-        route.held_s += await gw.pipeline.gate(route, turn)
+        # Behind this gateway's queue on its replica (policy.step_gate).
+        route.gated_s = await gw.pipeline.gate(route, turn)
         stages.routed = time.perf_counter()
-        stages.held_s = route.held_s
+        stages.held_s, stages.gated_s = route.held_s, route.gated_s
         return await _admit_and_forward(gw, request, route, tenant, parsed, served, stages,
                                         turn)
     finally:

@@ -651,8 +651,11 @@ class Route:
     # length, overload) never reaches its replica, so its pending chain must not stay.
     sent: bool = False
     # Seconds it was held at the gateway before its decision (router/prefill_hold.py),
-    # and after it for the queue ahead on its replica (RoutingPipeline.gate).
+    # and after it for the queue ahead on its replica (RoutingPipeline.gate): two
+    # figures, since the two wait for different things and one is tuned apart from the
+    # other (Server-Timing's hold and gate).
     held_s: float = 0.0
+    gated_s: float = 0.0
     # The longest it may wait for that queue before going upstream (policy.step_gate;
     # 0: send it now), and of that, how long other gateways' queue there was predicted
     # to last at the decision (their first bytes are not seen here: waited out by time).

@@ -190,8 +190,8 @@ class ProxyConfig:
     # Each answer says where it went and why (x-cacheroute-replica, -predicted-cached-
     # tokens, -predicted-ttft-ms, and -candidates: every replica ranked, with what the
     # policy predicted there) and where the gateway's time went (Server-Timing: parse,
-    # route, admit, upstream; router/completions.py Stages). Off by default: they describe
-    # the fleet to every client.
+    # route, hold, gate, admit, upstream; router/completions.py Stages). Off by default:
+    # they describe the fleet to every client.
     expose_routing_headers: bool = False
     tokenize_mode: str = "local"
     # A request that fails as its replica dies is refused this long (router/suspects.py),

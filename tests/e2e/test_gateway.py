@@ -143,11 +143,40 @@ async def test_server_timing_says_where_the_gateways_time_went(start_gateway: An
                 stages = server_timing(resp.headers["Server-Timing"])
                 await resp.read()
             wall_ms = (time.perf_counter() - started) * 1000
-            assert list(stages) == ["parse", "route", "hold", "admit", "upstream"]
+            assert list(stages) == ["parse", "route", "hold", "gate", "admit", "upstream"]
             assert min(stages.values()) >= 0
-            assert stages["hold"] == 0  # alone on an idle replica: nothing to wait for
+            # Alone on an idle replica: nothing to wait for.
+            assert stages["hold"] == 0 and stages["gate"] == 0
             assert stages["upstream"] >= 96, stages
             assert sum(stages.values()) <= wall_ms, (stages, wall_ms)
+
+
+async def test_server_timing_tells_the_step_gate_from_the_hold(start_gateway: Any) -> None:
+    # The unit profile (1 ms a token) and a gateway profile that predicts it: a 600-token
+    # prompt decided while a 1,000-token one prefills on the only replica waits at the
+    # step gate for that one's first token (policy.step_gate), after its decision. The
+    # queue ahead is under a step (hold_step_tokens: ~2 s here), so nothing is held before
+    # the decision: the wait is the gate's stage, and not part of route.
+    async with AsyncSimFleet(1, block_size=16, num_blocks=4000, prefill_profile="unit") as fleet:
+        gw = await start_gateway(gateway_config(
+            fleet.replicas, model=MODEL, port=free_port(),
+            policy={"prefill": {"base_s": 0.001, "per_token_s": 0.001}},
+            proxy={"expose_routing_headers": True, "early_head": True}))
+        auth = {"Authorization": "Bearer sk-alpha"}
+        async with gw.session.post(gw.url + "/v1/completions", headers=auth,
+                                   json=completion(tokens(71, 1000), stream=True)) as ahead:
+            # Its head is out (early_head): it is upstream, prefilling for about a second.
+            assert ahead.status == 200
+            assert server_timing(ahead.headers["Server-Timing"])["gate"] == 0
+            async with gw.session.post(gw.url + "/v1/completions", headers=auth,
+                                       json=completion(tokens(72, 600), stream=True)) as resp:
+                assert resp.status == 200
+                stages = server_timing(resp.headers["Server-Timing"])
+                await resp.read()
+            await ahead.read()
+        assert stages["hold"] == 0, stages
+        assert stages["gate"] >= 200, stages  # most of the 1 s prefill ahead
+        assert stages["route"] < stages["gate"], stages
 
 
 async def test_predicted_cached_tokens_equal_reported_with_kv_events(start_gateway: Any) -> None:

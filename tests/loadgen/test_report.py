@@ -107,25 +107,33 @@ def test_what_our_gateway_spent_before_going_upstream() -> None:
 
 
 def test_time_held_at_the_gateway_is_reported_beside_the_rest() -> None:
-    # Server-Timing's hold: waited for a replica's prefill queue (router/prefill_hold.py),
-    # over every request, held or not; not part of the gateway's own time.
+    # Server-Timing's hold (waited for a replica's prefill queue before the decision,
+    # router/prefill_hold.py) and gate (after it, for the queue ahead on its replica,
+    # policy.step_gate), each over every request, held or not; neither is part of the
+    # gateway's own time.
     run = _run()
     for i, r in enumerate(run.completed()):
         r.server_timing = (f"parse;dur=0.10, route;dur=0.50, hold;dur={4.0 * (i % 2):.2f}, "
-                           "admit;dur=0.40, upstream;dur=30.00")
+                           f"gate;dur={8.0 * (i == 0):.2f}, admit;dur=0.40, upstream;dur=30.00")
     row = summarize(PolicyRun("cache_aware", run, ["r0", "r1"], replica_ttft=(4, 0.030)))
     assert row["held_mean_s"] == pytest.approx(0.002) and row["held_requests"] == 2
+    assert row["gated_mean_s"] == pytest.approx(0.002) and row["gated_requests"] == 1
     assert row["before_upstream_mean_s"] == pytest.approx(0.001)
     line = next(x for x in outside_lines(aggregate([row])) if "cache_aware" in x)
-    assert line.endswith("; held there (for a replica's queue to fall under a step, or "
-                         "with step_gate for its queue ahead to reach a first token) "
-                         "2.0 ms a request (2.0-2.0)")
-    # Nothing held (or a peer without the stage): no such clause.
-    for header in ["parse;dur=0.10, route;dur=0.50, hold;dur=0.00, admit;dur=0.40", None]:
+    assert line.endswith("; held there for a replica's queue to fall under a step "
+                         "(hold_cap) 2.0 ms a request (2.0-2.0); gated there for its queue "
+                         "ahead to reach a first token (step_gate) 2.0 ms a request (2.0-2.0)")
+    # Nothing held or gated, a record from before the gate had its stage, or a peer
+    # without either: no such clause.
+    for header in ["parse;dur=0.10, route;dur=0.50, hold;dur=0.00, gate;dur=0.00, "
+                   "admit;dur=0.40", "parse;dur=0.10, route;dur=0.50, hold;dur=0.00, "
+                   "admit;dur=0.40", None]:
         for r in run.completed():
             r.server_timing = header
         row = summarize(PolicyRun("x", run, ["r0", "r1"], replica_ttft=(4, 0.030)))
-        assert not any("held there" in x for x in outside_lines(aggregate([row])))
+        assert row["gated_mean_s"] is None or row["gated_mean_s"] == 0
+        lines = outside_lines(aggregate([row]))
+        assert not any("held there" in x or "gated there" in x for x in lines)
 
 
 def test_first_tokens_against_what_the_gateway_predicted() -> None:
