@@ -43,6 +43,11 @@ replica costs next to nothing and what the routers add is what shows.
    workload's bursts); the routers take turns each round. On a machine whose cores the
    sims and clients share, what a router burns per request slows everything else.
 
+--splice adds benchmarks/splice_hop.py in front of replica 0 as one more target: the
+leanest Python hop (bytes copied both ways, nothing parsed). Its added latency and CPU per
+request are the floor under any Python gateway's; section 2 then says what cacheroute
+adds beyond it ("cacheroute beyond a hop").
+
 --workers N adds a second gateway as production runs it: N worker processes
 (listen.workers) on a private redis-server index fed by an indexer process; it takes
 part in 2 and 3 like every other target (the in-process profile is the memory index's),
@@ -74,6 +79,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -123,6 +129,7 @@ from router.tokenize import PromptTokenizer  # noqa: E402
 
 BLOCK_SIZE = 16
 MODEL = "sim"
+SPLICE = "python splice hop"  # --splice's target
 MAX_MODEL_LEN = 65536
 TURN_TOKENS = 256
 VOCAB = 3000  # token ids stay inside the tiny model's vocabulary (3,389): the sims check
@@ -415,6 +422,19 @@ def split_setting(text: str) -> tuple[str, str]:
     return key, value
 
 
+def start_splice(fleet: SimFleet, tmp: Path) -> Router:
+    """benchmarks/splice_hop.py in front of replica 0: the floor of a Python hop (bytes
+    copied both ways, nothing parsed), as a target beside the routers (`--splice`)."""
+    port = free_port()
+    upstream = urllib.parse.urlsplit(fleet.urls[0])
+    assert upstream.hostname is not None and upstream.port is not None
+    # Ready once the replica's own /health answers through it.
+    proc = start_process([sys.executable, str(REPO / "benchmarks" / "splice_hop.py"), str(port),
+                          upstream.hostname, str(upstream.port)],
+                         f"http://127.0.0.1:{port}/health", tmp / "splice-hop.log")
+    return Router(SPLICE, f"http://127.0.0.1:{port}", proc)
+
+
 def start_vllm_router(fleet: SimFleet, tmp: Path, policy: str) -> Router | None:
     binary = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
     if binary is None:
@@ -525,6 +545,12 @@ def print_added(results: dict[str, dict[str, list[float]]], direct: str,
                                                             strict=True))
             print(f"{'':<26} | {'cacheroute proxy+HTTP':<24} | {'':>8} | "
                   f"{(ours - inproc) * 1000:>+9.2f} | (added - in-process stages)")
+        if "cacheroute" in by_target and SPLICE in by_target:
+            # Per round, like every figure here: what is ours beyond the hop itself.
+            beyond = statistics.median(c - h for c, h in zip(by_target["cacheroute"],
+                                                            by_target[SPLICE], strict=True))
+            print(f"{'':<26} | {'cacheroute beyond a hop':<24} | {'':>8} | "
+                  f"{beyond * 1000:>+9.2f} | (cacheroute - {SPLICE})")
         stages = in_situ.get(scenario, {})
         if stages:
             # The same functions as the in-process profile, timed inside the serving
@@ -698,6 +724,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--model-dir", help="a model directory (python -m replica tiny-model)")
     parser.add_argument("--no-peers", action="store_true", help="leave vllm-router out")
+    parser.add_argument("--splice", action="store_true",
+                        help="also a bare Python hop to replica 0 (benchmarks/splice_hop.py: "
+                        "bytes copied both ways, nothing parsed), the floor under any Python "
+                        "gateway's added latency and CPU per request")
     parser.add_argument("--workers", type=int, default=0, metavar="N",
                         help="also run a gateway of N worker processes on a private Redis "
                         "index with its indexer (production's layout; 0: not)")
@@ -773,6 +803,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = start_vllm_router(fleet, tmp, policy)
                 if r is not None:
                     routers.append(r)
+            if args.splice:
+                routers.append(start_splice(fleet, tmp))
             direct = ("direct (replica 0)", fleet.urls[0])
             targets = [direct, *((r.name, r.url) for r in routers)]
             print(f"\n{args.replicas} sim replicas (instant profile); routers: "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -177,3 +178,30 @@ def test_bench_hash_runs_small(tiny_model_dir: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "exact=True" in proc.stdout
     assert "hash sha256" in proc.stdout and "Mtok/s" in proc.stdout
+
+
+def test_bench_gateway_measures_a_bare_hop_beside_the_gateway(tiny_model_dir: Path) -> None:
+    # --splice: a byte-splicing Python hop to replica 0 is one more target, in the added
+    # latency and the routed requests/s, and the gateway's latency is also given net of it.
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_gateway.py"), "--rounds", "1",
+         "--per-round", "1", "--cold-sizes", "64", "--seconds", "1", "--cpu-requests", "0",
+         "--no-peers", "--splice", "--model-dir", str(tiny_model_dir)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    added = re.search(r"token ids 0k cold\s+\| python splice hop\s+\|\s+([\d.]+) \|"
+                      r"\s+([+-][\d.]+)", out)
+    assert added is not None, out
+    assert float(added.group(1)) > 0  # its p50, through the hop to the replica
+    assert re.search(r"\| cacheroute beyond a hop\s+\|\s+\|\s+[+-][\d.]+ \| \(cacheroute - "
+                     r"python splice hop\)", out), out
+    rate = re.search(r"^\s+python splice hop\s+([\d.]+) \[", out, re.M)
+    assert rate is not None and float(rate.group(1)) > 0, out
+
+
+def test_splice_hop_names_a_bad_port() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "splice_hop.py"), "80x",
+                           "127.0.0.1", "8000"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "'80x'" in proc.stderr
