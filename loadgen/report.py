@@ -221,6 +221,28 @@ def is_peer(policy: str) -> bool:
     return ":" in policy
 
 
+def instance_count(policy: str) -> int | None:
+    """N of a policy run as N instances (`cache_aware*4`, loadgen/compare.py), None
+    without `*N` (the run's --gateways, the same for every such policy)."""
+    _, star, count = policy.rpartition("*")
+    return int(count) if star and count.isdigit() else None
+
+
+def ratios_by_instances(aggregated: Sequence[dict[str, Any]]
+                        ) -> dict[int | None, dict[str, dict[str, Any]]]:
+    """Our cache_aware against the best peer policy run as as many instances: four
+    gateways on one index are held against four vllm-routers, not against one (each
+    layout's ratios, None for the plain names)."""
+    out = {}
+    for n in dict.fromkeys(instance_count(a["policy"]) for a in aggregated):
+        ours = OURS if n is None else f"{OURS}*{n}"
+        ratios = ratios_against_peers(
+            aggregated, ours, lambda p, n=n: is_peer(p) and instance_count(p) == n)
+        if ratios:
+            out[n] = ratios
+    return out
+
+
 def _cell(figure: dict[str, float] | None, fmt: Any) -> str:
     if not figure:
         return "-"
@@ -470,7 +492,8 @@ def write_report(out: Path, runs: Sequence[PolicyRun], meta: dict[str, Any],
     rows = [summarize(run, time_scale) for run in runs]
     repeated = len({run.round for run in runs}) > 1
     aggregated = aggregate(rows)
-    ratios = ratios_against_peers(aggregated, OURS, is_peer)
+    by_instances = ratios_by_instances(aggregated)
+    ratios = by_instances.get(None, {})
     results: dict[str, Any] = {
         "meta": {**meta, "time_scale": time_scale},
         "policies": rows,
@@ -480,6 +503,9 @@ def write_report(out: Path, runs: Sequence[PolicyRun], meta: dict[str, Any],
         results["over_rounds"] = aggregated
     if ratios:
         results["ratios_against_best_peer"] = ratios
+    if any(n is not None for n in by_instances):
+        results["ratios_against_best_peer_by_instances"] = {
+            str(n): r for n, r in by_instances.items() if n is not None}
     if floor is not None:
         results["ttft_floor"] = floor.as_dict()
     results_json = out / "results.json"
@@ -492,10 +518,12 @@ def write_report(out: Path, runs: Sequence[PolicyRun], meta: dict[str, Any],
                      f"below is the client's measurement x {time_scale:g} (simulated seconds)")
     if repeated:
         lines += ["", "## Over rounds: median (min-max)", "", rounds_table(aggregated)]
-    if ratios:
-        lines += ["", *ratio_lines(ratios), ""]
+    ratio_text = [line for n, r in by_instances.items()
+                  for line in ratio_lines(r, OURS if n is None else f"{OURS}*{n}")]
+    if ratio_text:
+        lines += ["", *ratio_text, ""]
     if floor is not None:
-        lines += [*([] if ratios else [""]), *floor_lines(floor, aggregated), ""]
+        lines += [*([] if ratio_text else [""]), *floor_lines(floor, aggregated), ""]
     outside = outside_lines(aggregated)
     if outside:
         lines += [*outside, ""]

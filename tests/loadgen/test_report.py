@@ -268,3 +268,32 @@ def test_ttft_by_prompt_size_over_rounds() -> None:
     # One size only (an agent workload's turns, say): no table.
     one = [summarize(PolicyRun("x", run([(100, 0.01), (300, 0.02)]), ["r0"]))]
     assert size_lines(aggregate(one), one) == []
+
+
+def _scaled_run(k: float) -> RunResult:
+    """_run() with every first token k times as late."""
+    run = _run()
+    for r in run.records:
+        if r.first_token_s is not None and r.sent_s is not None:
+            r.first_token_s = r.sent_s + k * (r.first_token_s - r.sent_s)
+    return run
+
+
+def test_each_layout_is_held_against_the_peers_run_as_many_instances(tmp_path: Path) -> None:
+    # One gateway against one vllm-router, four against four: never one against four. Ours
+    # is 0.5x of the single peer and 2x of the four (which are faster than the single one).
+    runs = [PolicyRun(name, _scaled_run(k), ["r0", "r1"], round=i)
+            for i in (0, 1)
+            for name, k in (("cache_aware", 1.0), ("vllm-router:kv_aware", 2.0),
+                            ("cache_aware*4", 1.0), ("vllm-router:kv_aware*4", 0.5))]
+    files = write_report(tmp_path / "out", runs, {"workload": "test"}, plots=False)
+    data = json.loads(files.results_json.read_text())
+    single = data["ratios_against_best_peer"]["ttft_p50_s"]
+    assert single["best_peer"] == "vllm-router:kv_aware"
+    assert single["ratio"] == pytest.approx(0.5)
+    four = data["ratios_against_best_peer_by_instances"]["4"]["ttft_p50_s"]
+    assert four["best_peer"] == "vllm-router:kv_aware*4"
+    assert four["ratio"] == pytest.approx(2.0)
+    md = files.table_md.read_text()
+    assert "- cache_aware TTFT p50: 0.50x of the best peer's" in md
+    assert "- cache_aware*4 TTFT p50: 2.00x of the best peer's" in md
