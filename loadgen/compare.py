@@ -27,7 +27,9 @@ indexer), vllm-router as N independent instances, SMG as N instances joined by i
 (--enable-mesh, cache trees gossiped). A policy named `NAME*N` runs as N instances
 whatever --gateways says, so one run can interleave 1 and 4 gateways of the same router
 (`--policies cache_aware,cache_aware*4 --vllm-router cache_aware,cache_aware*4`): the
-comparison the machine's noise between runs would otherwise blur.
+comparison the machine's noise between runs would otherwise blur. The report holds
+`cache_aware*N` against the peers' `*N` policies only, and the plain name against the
+plain ones.
 
 `--policy-set KEY=VALUE` and `--index-set KEY=VALUE` change one key of our gateways'
 `policy:` or `index:` config for a control run; the report names them.
