@@ -7,6 +7,7 @@ import sys
 from types import FrameType
 
 from router.cli.subcommands import dispatch
+from router.without_torch import keep_torch_out
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "single-engine": ("loadgen.single_engine", "run the chat workload on one in-process sim"),
@@ -25,4 +26,7 @@ if __name__ == "__main__":
     # its finally blocks, which stop the sims, gateways, peers and redis-server it
     # started. Without this the process died at once and left them all running.
     signal.signal(signal.SIGTERM, _stop)
+    # The harness renders chats with the tokenizer and never needs a model
+    # (router/without_torch.py).
+    keep_torch_out()
     sys.exit(dispatch("python -m loadgen", __doc__ or "", COMMANDS))

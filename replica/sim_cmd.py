@@ -23,6 +23,7 @@ from replica.profiles import DEFAULT_PROFILE, load_profile
 from replica.server import SimReplica, SimSettings, serve
 from router.cli.arg_types import tcp_port
 from router.hashing import HASH_ALGOS, HashConfig
+from router.without_torch import keep_torch_out
 
 DEFAULT_NUM_BLOCKS = 8193  # 131,072 tokens at block size 16
 
@@ -158,6 +159,10 @@ async def _main(settings: SimSettings, tokenizer: object | None, host: str, port
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT (exit 0) or until the engine dies (exit 1)."""
+    # A sim with --model loads the tokenizer, and with it transformers; it never needs
+    # torch, which would cost each of a fleet's sims ~5 s and ~380 MB at start
+    # (router/without_torch.py).
+    keep_torch_out()
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from router.cli.subcommands import dispatch
+from router.without_torch import keep_torch_out
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.cli.serve", "run the cache-aware gateway"),
@@ -15,4 +16,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 if __name__ == "__main__":
+    # Before any command imports transformers (router/without_torch.py says why).
+    keep_torch_out()
     sys.exit(dispatch("python -m router", __doc__ or "", COMMANDS))
