@@ -91,7 +91,7 @@ from loadgen.workload_flags import (
     chat_lexicon,
 )
 from loadgen.workloads import TOKEN_LOW
-from replica.processes import redis_server
+from replica.processes import cpu_seconds, descendants, redis_server
 from replica.profiles import load_profile
 from router.cli.arg_types import positive_int
 
@@ -667,10 +667,13 @@ def _run_policy(policy: str, round_index: int, fleet: TargetFleet, index: str,
     fleet.reset_caches()
     if index.startswith("redis://"):
         flush_index(index)
+    # The processes the router starts are those below this one that were not there before.
+    before_router = set(descendants(os.getpid()))
     try:
         with router(policy, fleet, index, profile, args, log_dir,
                     "-warm" if round_index < 0 else f"-r{round_index}") as (
                 urls, note):
+            routers = [pid for pid in descendants(os.getpid()) if pid not in before_router]
             for url in urls:
                 asyncio.run(warm_up(url, args))
                 if split_policy(policy)[0] is None:
@@ -680,11 +683,13 @@ def _run_policy(policy: str, round_index: int, fleet: TargetFleet, index: str,
                     # tokenize chat, and SMG keeps no tokenizer cache by default.
                     asyncio.run(warm_shared_prefixes(url, shared))
             before = fleet.ttft_totals()
+            cpu_before = _cpu_of(routers)
 
             def advance(_record: RequestRecord) -> None:
                 progress.advance(task)
 
             result, sent_to = asyncio.run(_drive(urls, args, advance))
+            cpu_after = _cpu_of(routers)
             if len(urls) > 1:
                 note = "; ".join(filter(None, [
                     note, "requests per instance " + "/".join(map(str, sent_to))]))
@@ -702,7 +707,18 @@ def _run_policy(policy: str, round_index: int, fleet: TargetFleet, index: str,
     seconds = sum(after[name][1] - before.get(name, (0, 0.0))[1] for name in after)
     return PolicyRun(policy, result, [r.name for r in fleet.replicas], note=note,
                      replica_counts=counts, round=round_index,
-                     replica_ttft=(sum(counts.values()), seconds))
+                     replica_ttft=(sum(counts.values()), seconds),
+                     router_cpu_s=(None if cpu_before is None or cpu_after is None
+                                   else cpu_after - cpu_before))
+
+
+def _cpu_of(pids: Sequence[int]) -> float | None:
+    """User + system seconds the processes have used so far; None if one is gone (its
+    share would be lost) or there are none."""
+    try:
+        return sum(cpu_seconds(pid) for pid in pids) if pids else None
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -48,6 +48,9 @@ class PolicyRun:
     # The replicas' own TTFT histograms over the run: (requests, seconds summed), each
     # from the request's arrival at the replica to its first token.
     replica_ttft: tuple[int, float] | None = None
+    # User + system seconds the router's processes used while the requests were sent
+    # (every instance; our gateways with their indexer, not Redis); None where unknown.
+    router_cpu_s: float | None = None
 
     def requests_per_replica(self) -> dict[str, int]:
         """Requests per replica: from response headers, else from the replicas' counts."""
@@ -162,6 +165,10 @@ def summarize(run: PolicyRun, time_scale: float = 1.0) -> dict[str, Any]:
     gated = [t * time_scale for r in done if (t := held_s(r.server_timing, "gate")) is not None]
     row["gated_mean_s"] = float(np.mean(gated)) if gated and len(gated) == len(done) else None
     row["gated_requests"] = sum(1 for t in gated if t > 0)
+    # What routing cost in CPU: where routers share cores with their replicas or with
+    # each other, this is what they take from everything else.
+    row["router_cpu_per_request_s"] = (run.router_cpu_s / len(done)
+                                       if run.router_cpu_s is not None and done else None)
     row["replica_ttft_mean_s"] = row["ttft_outside_mean_s"] = None
     if run.replica_ttft is not None and run.replica_ttft[0] == len(ttft) and ttft:
         at_replicas = run.replica_ttft[1] / run.replica_ttft[0] * time_scale
@@ -355,6 +362,19 @@ def outside_lines(aggregated: Sequence[dict[str, Any]]) -> list[str]:
     return out
 
 
+def cpu_lines(aggregated: Sequence[dict[str, Any]]) -> list[str]:
+    """Each router's CPU per request (medians over rounds), where known."""
+    out = [f"  - {a['policy']}: {cpu['median'] * 1000:.2f} ms ({cpu['min'] * 1000:.2f}-"
+           f"{cpu['max'] * 1000:.2f})" for a in aggregated
+           if (cpu := a.get("router_cpu_per_request_s")) is not None]
+    if out:
+        out.insert(0, "- Router CPU per request: the user + system time of the router's "
+                      "processes while the requests were sent, over the requests completed "
+                      "(every instance; our gateways with their indexer, not Redis): on "
+                      "cores shared with others, what routing takes from them")
+    return out
+
+
 def floor_lines(floor: TtftFloor, aggregated: Sequence[dict[str, Any]]) -> list[str]:
     """The TTFT floor (floor.py) and each policy's median p50 and p99 as multiples of it."""
     p50, p99 = floor.percentile(50), floor.percentile(99)
@@ -527,6 +547,9 @@ def write_report(out: Path, runs: Sequence[PolicyRun], meta: dict[str, Any],
     outside = outside_lines(aggregated)
     if outside:
         lines += [*outside, ""]
+    cpu = cpu_lines(aggregated)
+    if cpu:
+        lines += [*cpu, ""]
     sizes = size_lines(aggregated, rows)
     if sizes:
         lines += [*sizes, ""]

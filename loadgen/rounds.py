@@ -28,7 +28,7 @@ def size_figure(label: str) -> str:
 
 # Figures that get a median and a spread, as summarize() names them.
 FIGURES = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "ttft_outside_mean_s",
-           "before_upstream_mean_s", "held_mean_s", "gated_mean_s",
+           "before_upstream_mean_s", "held_mean_s", "gated_mean_s", "router_cpu_per_request_s",
            "ttft_error_p10_s", "ttft_error_p50_s", "ttft_error_p90_s",
            "e2e_p50_s", "e2e_p99_s", "throughput_rps", "hit_rate", "imbalance_max_over_mean",
            "errors", *(size_figure(label) for label, _, _ in PROMPT_SIZES))

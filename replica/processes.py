@@ -157,6 +157,27 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    """Ids of the running processes below `pid`: its children, theirs, and so on (Linux
+    /proc, one pass)."""
+    below: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # gone since the listing, or not ours to read
+            below.setdefault(parent, []).append(int(entry))
+    out: list[int] = []
+    todo = list(below.get(pid, ()))
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo.extend(below.get(child, ()))
+    return out
+
+
 def pin_to(cpus: frozenset[int] | None) -> Callable[[], None] | None:
     """A Popen preexec_fn that confines the new process to `cpus` before it runs, so its
     every thread and child stays there too (None: leave it where its parent runs)."""

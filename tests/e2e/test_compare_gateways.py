@@ -45,12 +45,19 @@ def test_two_instances_of_each_router_share_the_requests(tmp_path: Path,
         assert "requests per instance 4/4" in row["note"], row["note"]
         # The sims timed the same 8 first tokens the client did, each a part of it.
         assert 0 < row["replica_ttft_mean_s"] < row["ttft_mean_s"], row
+        # Both instances' processes were counted while the requests ran (Rust peers may
+        # spend less than a clock tick on 8 requests).
+        assert row["router_cpu_per_request_s"] is not None, row
+    # Two Python gateways and their indexer health-check, scrape and route: some ticks.
+    assert rows["cache_aware"]["router_cpu_per_request_s"] > 0
     assert "2 gateways sharing the index" in rows["cache_aware"]["note"]
     assert "joined by its mesh" in rows["smg:cache_aware"]["note"]
     assert "independent" in rows["vllm-router:cache_aware"]["note"]
     # Our two gateways read one index the indexer feeds: the second turns were predicted.
     assert rows["cache_aware"]["predicted_cached_tokens"] > 0
-    assert "2 instances per policy" in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    assert "2 instances per policy" in md
+    assert "- Router CPU per request:" in md and "  - smg:cache_aware: " in md
 
 
 def test_more_than_one_gateway_needs_a_shared_index(tmp_path: Path,

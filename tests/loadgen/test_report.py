@@ -13,6 +13,7 @@ from loadgen.floor import TtftFloor
 from loadgen.oracle import OracleRequest, bounds
 from loadgen.report import (
     PolicyRun,
+    cpu_lines,
     floor_lines,
     floor_reach,
     markdown_table,
@@ -86,6 +87,23 @@ def test_what_a_first_token_spends_outside_the_replicas() -> None:
     for timed in [(5, 0.030), None]:
         row = summarize(PolicyRun("x", _run(), ["r0", "r1"], replica_ttft=timed))
         assert row["ttft_outside_mean_s"] is None and row["replica_ttft_mean_s"] is None
+
+
+def test_router_cpu_per_request_over_rounds() -> None:
+    # 4 requests completed (the fifth failed): 6 and 10 ms of CPU, 1.5 and 2.5 ms each.
+    rows = [summarize(PolicyRun("cache_aware", _run(), ["r0", "r1"], round=i,
+                                router_cpu_s=cpu)) for i, cpu in enumerate((0.006, 0.010))]
+    assert [r["router_cpu_per_request_s"] for r in rows] == pytest.approx([0.0015, 0.0025])
+    peer = summarize(PolicyRun("smg:cache_aware", _run(), ["r0", "r1"], router_cpu_s=0.0))
+    unknown = summarize(PolicyRun("vllm-router:kv_aware", _run(), ["r0", "r1"]))
+    assert peer["router_cpu_per_request_s"] == 0.0
+    assert unknown["router_cpu_per_request_s"] is None
+    lines = cpu_lines(aggregate([*rows, peer, unknown]))
+    assert lines[0].startswith("- Router CPU per request:")
+    # A router that used less than the clock's tick still has its line; unknown has none.
+    assert lines[1:] == ["  - cache_aware: 2.00 ms (1.50-2.50)",
+                         "  - smg:cache_aware: 0.00 ms (0.00-0.00)"]
+    assert cpu_lines(aggregate([unknown])) == []
 
 
 def test_what_our_gateway_spent_before_going_upstream() -> None:

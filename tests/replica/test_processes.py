@@ -7,7 +7,14 @@ import socket
 import subprocess
 import sys
 
-from replica.processes import _ephemeral_low, children, cpu_seconds, free_port, stop_process
+from replica.processes import (
+    _ephemeral_low,
+    children,
+    cpu_seconds,
+    descendants,
+    free_port,
+    stop_process,
+)
 
 
 def test_free_ports_are_below_the_ephemeral_range_and_bindable() -> None:
@@ -46,6 +53,30 @@ def test_cpu_seconds_counts_a_child_s_work_and_children_finds_it() -> None:
         # system; process_time does not: allow a few ticks.
         assert cpu_seconds(child.pid) >= 0.25
         assert cpu_seconds(os.getpid()) > 0
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        stop_process(child)
+
+
+def test_descendants_reach_a_grandchild_and_stop_there() -> None:
+    # The child starts a grandchild that waits on its stdin (the child's), prints its
+    # id, and waits for the grandchild: closing our end of the pipe ends both.
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "import subprocess, sys\n"
+         "g = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'])\n"
+         "print(g.pid, flush=True)\n"
+         "g.wait()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None
+        grandchild = int(child.stdout.readline())
+        mine = descendants(os.getpid())
+        assert child.pid in mine and grandchild in mine
+        assert grandchild not in children(os.getpid())  # not ours directly
+        assert descendants(child.pid) == [grandchild]
+        assert os.getpid() not in mine
     finally:
         assert child.stdin is not None
         child.stdin.close()
