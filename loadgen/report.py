@@ -370,8 +370,9 @@ def cpu_lines(aggregated: Sequence[dict[str, Any]]) -> list[str]:
     if out:
         out.insert(0, "- Router CPU per request: the user + system time of the router's "
                       "processes while the requests were sent, over the requests completed "
-                      "(every instance; our gateways with their indexer, not Redis): on "
-                      "cores shared with others, what routing takes from them")
+                      "(every instance; our gateways with their indexer, not Redis), in CPU "
+                      "seconds as measured (never scaled with the sims' time): on cores "
+                      "shared with others, what routing takes from them")
     return out
 
 

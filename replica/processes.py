@@ -145,21 +145,24 @@ def cpu_seconds(pid: int) -> float:
 
 def children(pid: int) -> list[int]:
     """Ids of the running processes whose parent is `pid` (Linux /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue  # gone since the listing, or not ours to read
-    return out
+    return _children_by_parent().get(pid, [])
 
 
 def descendants(pid: int) -> list[int]:
     """Ids of the running processes below `pid`: its children, theirs, and so on (Linux
     /proc, one pass)."""
+    below = _children_by_parent()
+    out: list[int] = []
+    todo = list(below.get(pid, ()))
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo.extend(below.get(child, ()))
+    return out
+
+
+def _children_by_parent() -> dict[int, list[int]]:
+    """Every running process's id under its parent's, from one listing of /proc."""
     below: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -169,13 +172,7 @@ def descendants(pid: int) -> list[int]:
             except (OSError, ValueError, IndexError):
                 continue  # gone since the listing, or not ours to read
             below.setdefault(parent, []).append(int(entry))
-    out: list[int] = []
-    todo = list(below.get(pid, ()))
-    while todo:
-        child = todo.pop()
-        out.append(child)
-        todo.extend(below.get(child, ()))
-    return out
+    return below
 
 
 def pin_to(cpus: frozenset[int] | None) -> Callable[[], None] | None:

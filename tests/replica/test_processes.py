@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 
 from replica.processes import (
     _ephemeral_low,
@@ -36,40 +38,42 @@ def test_free_port_never_hands_out_one_port_twice_before_servers_bind() -> None:
     assert len(set(ports)) == len(ports)
 
 
-def test_cpu_seconds_counts_a_child_s_work_and_children_finds_it() -> None:
-    # The child spins until it has used 0.3 s of CPU by its own clock, then says so and
-    # waits for its stdin to close: no sleep on either side.
-    child = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys, time\n"
-         "while time.process_time() < 0.3: pass\n"
-         "print('spun', flush=True)\n"
-         "sys.stdin.read()\n"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+@contextlib.contextmanager
+def _python_child(program: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A Python process running `program` with our pipes as its stdin and stdout; closing
+    its stdin (on leaving) is what `program` waits for, then it is stopped."""
+    child = subprocess.Popen([sys.executable, "-c", program],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
-        assert child.stdout is not None and child.stdout.readline() == b"spun\n"
-        assert child.pid in children(os.getpid())
-        # /proc counts whole clock ticks (10 ms) and splits them between user and
-        # system; process_time does not: allow a few ticks.
-        assert cpu_seconds(child.pid) >= 0.25
-        assert cpu_seconds(os.getpid()) > 0
+        yield child
     finally:
         assert child.stdin is not None
         child.stdin.close()
         stop_process(child)
 
 
+def test_cpu_seconds_counts_a_child_s_work_and_children_finds_it() -> None:
+    # The child spins until it has used 0.3 s of CPU by its own clock, then says so and
+    # waits for its stdin to close: no sleep on either side.
+    with _python_child("import sys, time\n"
+                       "while time.process_time() < 0.3: pass\n"
+                       "print('spun', flush=True)\n"
+                       "sys.stdin.read()\n") as child:
+        assert child.stdout is not None and child.stdout.readline() == b"spun\n"
+        assert child.pid in children(os.getpid())
+        # /proc counts whole clock ticks (10 ms) and splits them between user and
+        # system; process_time does not: allow a few ticks.
+        assert cpu_seconds(child.pid) >= 0.25
+        assert cpu_seconds(os.getpid()) > 0
+
+
 def test_descendants_reach_a_grandchild_and_stop_there() -> None:
     # The child starts a grandchild that waits on its stdin (the child's), prints its
     # id, and waits for the grandchild: closing our end of the pipe ends both.
-    child = subprocess.Popen(
-        [sys.executable, "-c",
-         "import subprocess, sys\n"
-         "g = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'])\n"
-         "print(g.pid, flush=True)\n"
-         "g.wait()\n"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    try:
+    with _python_child("import subprocess, sys\n"
+                       "g = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'])\n"
+                       "print(g.pid, flush=True)\n"
+                       "g.wait()\n") as child:
         assert child.stdout is not None
         grandchild = int(child.stdout.readline())
         mine = descendants(os.getpid())
@@ -77,7 +81,3 @@ def test_descendants_reach_a_grandchild_and_stop_there() -> None:
         assert grandchild not in children(os.getpid())  # not ours directly
         assert descendants(child.pid) == [grandchild]
         assert os.getpid() not in mine
-    finally:
-        assert child.stdin is not None
-        child.stdin.close()
-        stop_process(child)
